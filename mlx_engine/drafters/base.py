@@ -1,0 +1,47 @@
+"""The Drafter protocol: what the engine asks of anything that proposes tokens.
+
+Token bookkeeping shared by every drafter: after `begin` and each `commit`, the drafter knows the full
+committed sequence; its last token ("the last token") has been sampled but not yet fed to the target.
+`propose(k)` drafts the k tokens that follow it. The engine then verifies and calls `commit` with the
+verdict: `n_accepted` drafts kept and the emitted tokens (accepted drafts + one corrected/bonus token).
+"""
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import mlx.core as mx
+
+from ..sampling import SamplingConfig
+
+
+@dataclass(frozen=True)
+class Draft:
+    tokens: mx.array  # [k] int32, lazy
+    probs: mx.array | None  # [k, V] after the sampler chain; None = deterministic (greedy / n-gram)
+    host_tokens: list[int] | None = None  # set when the drafter already holds them on the host
+
+
+@dataclass(frozen=True)
+class Verdict:
+    n_drafted: int
+    n_accepted: int
+    tokens: list[int] = field(default_factory=list)  # emitted: accepted drafts, then one target token
+
+
+class Drafter(Protocol):
+    name: str
+    needs_hidden: bool  # wants the target's final-normed hidden states in begin/commit
+
+    def begin(self, tokens: list[int], hidden: mx.array | None) -> None:
+        """Start a sequence. `tokens`: committed so far (prompt + first sampled token).
+        `hidden`: target hidden states [len(tokens) - 1, H] for the fed tokens, if needs_hidden."""
+
+    def propose(self, k: int, sampling: SamplingConfig, key: mx.array) -> Draft:
+        """Draft k tokens after the last committed token. Lazy: no host synchronisation."""
+
+    def commit(self, verdict: Verdict, hidden: mx.array | None) -> None:
+        """Advance past the verdict. `hidden`: target hidden states [k + 1, H] of the verify pass
+        (rows 0..n_accepted belong to kept inputs), if needs_hidden."""
+
+    def max_draft(self) -> int | None:
+        """Largest k this drafter can produce now (None = unbounded)."""

@@ -1,0 +1,86 @@
+"""A separate small draft model with the target's tokenizer.
+
+The draft cache holds every committed token except the last and the `pending` ones (tokens kept after a
+rollback, or the last draft after a full accept); `propose` feeds pending + last, then its own drafts.
+"""
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .. import cache as cache_ops
+from .. import host
+from ..sampling import SamplingConfig, choose
+from .base import Draft, Verdict
+
+
+def _fit_vocab(logits: mx.array, vocab: int) -> mx.array:
+    """Crop or pad (-inf) draft logits [n, Vd] to the target's output size."""
+    extra = vocab - logits.shape[-1]
+    if extra < 0:
+        return logits[:, :vocab]
+    if extra > 0:
+        pad = mx.full((logits.shape[0], extra), -mx.inf, dtype=logits.dtype)
+        return mx.concatenate([logits, pad], axis=-1)
+    return logits
+
+
+class DraftModelDrafter:
+    name = "draft"
+    needs_hidden = False
+
+    def __init__(self, model: nn.Module, vocab_size: int, prefill_step: int = 2048):
+        self.model = model
+        self.vocab_size = vocab_size  # the target's output size
+        self.prefill_step = prefill_step
+        self.cache: list = []
+        self.history: list[int] = []
+        self.pending: list[int] = []
+        self._ckpt = None
+        self._k = 0
+
+    def _forward(self, tokens: mx.array) -> mx.array:
+        return self.model(tokens[None], cache=self.cache)[0]
+
+    def begin(self, tokens: list[int], hidden: mx.array | None = None) -> None:
+        self.cache = cache_ops.make_cache(self.model)
+        self.history = list(tokens)
+        body = tokens[:-1]
+        while len(body) > self.prefill_step:
+            self._forward(mx.array(body[: self.prefill_step]))
+            host.wait([c.state for c in self.cache])
+            body = body[self.prefill_step :]
+        self.pending = body
+
+    def propose(self, k: int, sampling: SamplingConfig, key: mx.array) -> Draft:
+        feed = self.pending + self.history[-1:]
+        self._ckpt = cache_ops.checkpoint(self.cache, len(feed) + k - 1)
+        self._k = k
+        keys = mx.random.split(key, k)
+        window = mx.array(self.history[-sampling.repetition_context :]) if sampling.penalized else None
+        x = mx.array(feed)
+        tokens, probs = [], []
+        for i in range(k):
+            logits = _fit_vocab(self._forward(x)[-1:], self.vocab_size)
+            context = mx.concatenate([window, *tokens]) if window is not None else None
+            tok, p = choose(logits, context, sampling, keys[i])
+            tokens.append(tok)
+            probs.append(p)
+            x = tok
+        draft_tokens = mx.concatenate(tokens).astype(mx.int32)
+        draft_probs = None if sampling.greedy else mx.concatenate(probs)
+        return Draft(draft_tokens, draft_probs)
+
+    def commit(self, verdict: Verdict, hidden: mx.array | None = None) -> None:
+        n, k = verdict.n_accepted, verdict.n_drafted
+        if k == 0:  # nothing was fed this cycle
+            self.pending = self.pending + self.history[-1:]
+        elif n == k:  # everything fed is kept; the last draft itself was never fed
+            self.pending = verdict.tokens[k - 1 : k]
+        else:
+            kept = self.pending + self.history[-1:] + verdict.tokens[:n]
+            replay = cache_ops.rollback(self.cache, self._ckpt, len(kept))
+            self.pending = kept[len(kept) - replay :] if replay else []
+        self.history += verdict.tokens
+
+    def max_draft(self) -> int | None:
+        return None

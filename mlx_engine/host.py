@@ -1,0 +1,24 @@
+"""The only places the engine and its drafters wait for the device or read values on the host.
+
+Counting them here is how tests check the loop's promise: one host synchronisation per cycle.
+"""
+
+import mlx.core as mx
+
+counts = {"read": 0, "wait": 0}
+
+
+def read(x: mx.array) -> list:
+    """Evaluate `x` and bring it to the host (a host synchronisation)."""
+    counts["read"] += 1
+    return x.tolist()
+
+
+def wait(*arrays) -> None:
+    """Evaluate arrays and block until done (prefill chunks, profiling boundaries)."""
+    counts["wait"] += 1
+    mx.eval(*arrays)
+
+
+def total() -> int:
+    return counts["read"] + counts["wait"]

@@ -1,0 +1,98 @@
+"""Loading models: a local folder (MLX or Hugging Face layout), a Hugging Face hub repo, or a GGUF file.
+
+On the CPU, floating-point weights are cast to float32: MLX's CPU matmuls are fast only in fp32 with
+OpenBLAS, and speculative decoding only pays there with fp32 weights (README, "Performance").
+"""
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten, tree_map
+
+
+class ModelLoadError(ValueError):
+    """A model could not be found or loaded; the message says why and what was tried."""
+
+
+@dataclass
+class LoadedModel:
+    model: nn.Module
+    tokenizer: object  # mlx_lm TokenizerWrapper
+    config: dict
+    path: Path
+
+
+def _looks_like_repo_id(s: str) -> bool:
+    parts = s.split("/")
+    return len(parts) == 2 and all(parts) and not s.startswith((".", "/", "~"))
+
+
+def resolve(path_or_repo: str) -> Path:
+    """A local path as is, or a hub repo id downloaded (or found in the local hub cache)."""
+    p = Path(path_or_repo).expanduser()
+    if p.exists():
+        return p
+    if p.suffix == ".gguf" or not _looks_like_repo_id(path_or_repo):
+        raise ModelLoadError(f"model not found: {path_or_repo} (no such file or folder)")
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(
+            snapshot_download(
+                path_or_repo,
+                allow_patterns=["*.json", "*.safetensors", "*.py", "tokenizer.model", "*.tiktoken", "*.txt", "*.jinja"],
+            )
+        )
+    except Exception as e:  # network errors, missing repo, gated repo...
+        raise ModelLoadError(
+            f"model not found: {path_or_repo} is not a local path and could not be fetched from the hub ({type(e).__name__}: {e})"
+        ) from e
+
+
+def cast_floats(model: nn.Module, dtype: mx.Dtype) -> nn.Module:
+    """Cast floating-point parameters (not quantized ones) to dtype."""
+
+    def cast(x):
+        return x.astype(dtype) if mx.issubdtype(x.dtype, mx.floating) else x
+
+    model.update(tree_map(cast, model.parameters()))
+    return model
+
+
+def default_dtype() -> mx.Dtype | None:
+    """float32 on CPU; keep the checkpoint's dtype on a GPU."""
+    return mx.float32 if mx.default_device() == mx.cpu else None
+
+
+def load(path_or_repo: str, dtype: mx.Dtype | None | str = "auto", lazy: bool = False) -> LoadedModel:
+    """Load model + tokenizer. dtype: "auto" (fp32 on CPU), None (as stored) or an mx dtype."""
+    from mlx_lm.utils import load_model, load_tokenizer
+
+    if dtype == "auto":
+        dtype = default_dtype()
+    path = resolve(path_or_repo)
+    if path.is_file() and path.suffix == ".gguf":
+        from .gguf import load_gguf
+
+        model, tokenizer, config = load_gguf(path, dtype=dtype)
+        return LoadedModel(model, tokenizer, config, path)
+    if path.is_file():
+        raise ModelLoadError(f"{path} is a file but not a .gguf; expected a model folder or a GGUF file")
+    if not (path / "config.json").exists():
+        raise ModelLoadError(f"{path} has no config.json: not a model folder")
+    try:
+        model, config = load_model(path, lazy=True)
+        tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
+    except (ValueError, FileNotFoundError, KeyError) as e:
+        raise ModelLoadError(f"could not load {path}: {e}") from e
+    if dtype is not None:
+        cast_floats(model, dtype)
+    if not lazy:
+        mx.eval(model.parameters())
+    return LoadedModel(model, tokenizer, config, path)
+
+
+def parameter_bytes(model: nn.Module) -> int:
+    return sum(v.nbytes for _, v in tree_flatten(model.parameters()))

@@ -1,0 +1,71 @@
+"""Acceptance rules: which prefix of a draft the target keeps, and the token that follows it.
+
+Both rules return one int32 array `[k + 2]`: `[n_accepted, t_0, ..., t_k]` where the emitted tokens are
+`t_0 .. t_{n_accepted}` (the accepted drafts, then one corrected-or-bonus token). Packing the answer
+into one small array is what lets the engine read it with a single host synchronisation.
+
+Greedy (temperature 0): accept the longest prefix where draft_i == argmax(target_i); the next token is
+argmax(target_{n}). Lossless by construction.
+
+Rejection sampling (temperature > 0, Leviathan et al. / Chen et al.): accept draft x_i with probability
+min(1, p_i(x_i) / q_i(x_i)); at the first rejection sample from norm(max(0, p_i - q_i)); after a full
+accept sample the bonus token from p_k. The emitted sequence follows the target distribution p exactly.
+Deterministic drafts (greedy drafters, n-gram) have q = one-hot(x_i): the test becomes u < p_i(x_i) and
+the residual is p_i with x_i removed.
+"""
+
+import mlx.core as mx
+
+
+def _pack(n_accepted: mx.array, tokens: mx.array) -> mx.array:
+    return mx.concatenate([n_accepted.reshape(1), tokens]).astype(mx.int32)
+
+
+def accepted_prefix(accept: mx.array) -> mx.array:
+    """Length of the leading run of True in a [k] bool array (scalar int32)."""
+    if accept.size == 0:
+        return mx.array(0, mx.int32)
+    return mx.cumprod(accept.astype(mx.int32)).sum()
+
+
+def accept_greedy(target_logits: mx.array, draft_tokens: mx.array) -> mx.array:
+    """target_logits: [k+1, V] processed logits; draft_tokens: [k]. Returns [k+2] (see module doc)."""
+    best = mx.argmax(target_logits, axis=-1)
+    k = draft_tokens.shape[0]
+    n = accepted_prefix(draft_tokens == best[:k])
+    # accepted drafts equal the target's argmax, so t_0..t_n is just best[:n+1]
+    return _pack(n, best)
+
+
+def accept_sampled(
+    target_probs: mx.array,
+    draft_tokens: mx.array,
+    draft_probs: mx.array | None,
+    key: mx.array,
+) -> mx.array:
+    """target_probs: [k+1, V]; draft_tokens: [k]; draft_probs: [k, V] or None (deterministic draft).
+
+    Returns [k+2] (see module doc). Uses two random draws from `key`: k uniforms and one categorical.
+    """
+    k = draft_tokens.shape[0]
+    accept_key, sample_key = mx.random.split(key)
+    p_draft = mx.take_along_axis(target_probs[:k], draft_tokens[:, None], axis=-1)[:, 0]
+    if draft_probs is None:
+        q_draft = mx.ones_like(p_draft)
+        residual = mx.put_along_axis(target_probs[:k], draft_tokens[:, None], mx.array(0.0), axis=-1)
+    else:
+        q_draft = mx.take_along_axis(draft_probs, draft_tokens[:, None], axis=-1)[:, 0]
+        residual = mx.maximum(target_probs[:k] - draft_probs, 0.0)
+    u = mx.random.uniform(shape=(k,), key=accept_key)
+    n = accepted_prefix(u * q_draft < p_draft)  # u < p/q without dividing by q
+
+    rows = mx.concatenate([residual, target_probs[k:]], axis=0)  # row i: where to sample after i accepts
+    row = mx.take(rows, n, axis=0)
+    mass = row.sum()
+    row = mx.where(mass > 0, row / mass, mx.take(target_probs, n, axis=0))
+    nxt = mx.random.categorical(mx.log(row), key=sample_key)
+
+    pos = mx.arange(k + 1)
+    drafts = mx.concatenate([draft_tokens, mx.zeros((1,), draft_tokens.dtype)])
+    tokens = mx.where(pos < n, drafts, nxt)
+    return _pack(n, tokens)
