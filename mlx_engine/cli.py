@@ -1,0 +1,168 @@
+"""`python -m mlx_engine generate ...`: one generation through the engine, as text or JSON."""
+
+import argparse
+import json
+import sys
+import time
+
+from .drafters.draft_model import DraftModelDrafter
+from .drafters.ngram import NgramDrafter
+from .engine import Engine, GenerationConfig
+from .models import LoadedModel, ModelLoadError, load
+from .sampling import SamplingConfig
+
+DRAFTERS = ("none", "draft", "ngram", "mtp")
+
+
+class UsageError(ValueError):
+    """Bad input from the command line; reported as `error: ...` with exit status 2."""
+
+
+def add_generate_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="hub repo id, local model folder, or .gguf file")
+    p.add_argument("--drafter", default="none", help=f"one of {', '.join(DRAFTERS)} (default: none = plain decoding)")
+    p.add_argument("--draft-model", help="draft model for --drafter draft (same tokenizer as --model)")
+    p.add_argument("--mtp-weights", help="safetensors file with the MTP head, for --drafter mtp")
+    p.add_argument("--num-draft", type=int, default=4, help="tokens drafted per cycle, k >= 0 (default 4)")
+    p.add_argument("--temp", type=float, default=0.0, help="sampling temperature; 0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
+    p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
+    p.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min-p times the best (0 = off)")
+    p.add_argument("--repetition-penalty", type=float, default=1.0, help="penalty for recent tokens (1 = off)")
+    p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    p.add_argument("--max-tokens", type=int, default=256, help="tokens to generate (default 256)")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="prompt text")
+    src.add_argument("--prompt-tokens", help="prompt as comma-separated token ids, e.g. 1,2,3")
+    p.add_argument("--no-chat-template", action="store_true", help="encode --prompt as is, without the chat template")
+    p.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence tokens")
+    p.add_argument("--json", action="store_true", help="print one JSON object: tokens, text, stats")
+    p.add_argument("--trace", action="store_true", help="with --json: add one entry per verify cycle")
+
+
+def parse_prompt_tokens(text: str) -> list[int]:
+    try:
+        tokens = [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise UsageError(f"--prompt-tokens must be comma-separated integers, got {text!r}") from None
+    if not tokens:
+        raise UsageError("the prompt is empty")
+    return tokens
+
+
+def encode_prompt(tokenizer, text: str, chat_template: bool) -> list[int]:
+    if not text:
+        raise UsageError("the prompt is empty")
+    if chat_template and getattr(tokenizer, "chat_template", None):
+        return list(tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True))
+    return list(tokenizer.encode(text))
+
+
+def check_same_tokenizer(target_tok, draft_tok, draft_name: str) -> None:
+    """Refuse a draft whose vocabulary maps tokens to other ids than the target's."""
+    tv, dv = target_tok.get_vocab(), draft_tok.get_vocab()
+    if tv == dv:
+        return
+    differing = sorted(set(tv.items()) ^ set(dv.items()), key=lambda kv: kv[1])[:3]
+    raise UsageError(
+        f"draft model {draft_name} has another vocabulary than the target "
+        f"(target {len(tv)} tokens, draft {len(dv)} tokens; e.g. {differing}); "
+        "a draft must share the target's tokenizer"
+    )
+
+
+def make_drafter(args, target: LoadedModel):
+    from .target import Target
+
+    name = args.drafter
+    if name not in DRAFTERS:
+        raise UsageError(f"unknown drafter {name!r}; choose one of {', '.join(DRAFTERS)}")
+    if name != "draft" and args.draft_model:
+        raise UsageError("--draft-model is only used with --drafter draft")
+    if name == "none":
+        return None
+    if name == "ngram":
+        return NgramDrafter()
+    vocab = Target(target.model).vocab_size
+    if name == "draft":
+        if not args.draft_model:
+            raise UsageError("--drafter draft needs --draft-model PATH")
+        draft = load(args.draft_model)
+        check_same_tokenizer(target.tokenizer, draft.tokenizer, args.draft_model)
+        return DraftModelDrafter(draft.model, vocab)
+    try:
+        from .drafters.mtp import load_mtp_drafter
+    except ImportError as e:
+        raise UsageError(f"--drafter mtp is not available in this build ({e})") from e
+    return load_mtp_drafter(target.model, target.path, target.config, mtp_weights=args.mtp_weights)
+
+
+def build(args):
+    """Validate arguments, load model and drafter. Returns (loaded, engine, prompt, config)."""
+    if args.num_draft < 0:
+        raise UsageError(f"--num-draft must be >= 0, got {args.num_draft}")
+    if args.max_tokens < 1:
+        raise UsageError(f"--max-tokens must be >= 1, got {args.max_tokens}")
+    if args.drafter not in DRAFTERS:
+        raise UsageError(f"unknown drafter {args.drafter!r}; choose one of {', '.join(DRAFTERS)}")
+    if args.prompt is not None and not args.prompt:
+        raise UsageError("the prompt is empty")
+    try:
+        sampling = SamplingConfig(
+            temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+            repetition_penalty=args.repetition_penalty,
+        )
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    prompt = parse_prompt_tokens(args.prompt_tokens) if args.prompt_tokens is not None else None
+    loaded = load(args.model)
+    if prompt is None:
+        prompt = encode_prompt(loaded.tokenizer, args.prompt, not args.no_chat_template)
+    drafter = make_drafter(args, loaded)
+    stop = frozenset() if args.ignore_eos else frozenset(getattr(loaded.tokenizer, "eos_token_ids", None) or ())
+    config = GenerationConfig(
+        max_tokens=args.max_tokens, num_draft=args.num_draft, sampling=sampling, seed=args.seed,
+        stop_tokens=stop, profile_every=8 if args.json else 0,
+    )
+    return loaded, Engine(loaded.model, drafter), prompt, config
+
+
+def run_generate(args) -> int:
+    loaded, engine, prompt, config = build(args)
+    tokenizer = loaded.tokenizer
+    tokens, trace = [], []
+    detok = tokenizer.detokenizer
+    detok.reset()
+    for i, step in enumerate(engine.generate(prompt, config)):
+        tokens += step.tokens
+        if i > 0:
+            trace.append({"draft": step.draft, "accepted": step.n_accepted, "emitted": step.tokens})
+        if not args.json:
+            for t in step.tokens:
+                detok.add_token(t)
+            print(detok.last_segment, end="", flush=True)
+    detok.finalize()
+    stats = engine.stats
+    if args.json:
+        out = {"tokens": tokens, "text": tokenizer.decode(tokens), "stats": stats.to_dict()}
+        if args.trace:
+            out["trace"] = trace
+        print(json.dumps(out))
+    else:
+        print(detok.last_segment, flush=True)
+        per_pos = " ".join(f"{a:.2f}" for a in stats.acceptance_per_position)
+        print(
+            f"\n[{stats.generated} tokens | prompt {stats.prompt_tps:.1f} tok/s | decode {stats.decode_tps:.1f} tok/s | "
+            f"acceptance {stats.acceptance_rate:.2f} ({per_pos}) | {stats.mean_accepted_length:.2f} tokens/verify | "
+            f"peak {stats.peak_memory / 2**20:.0f} MiB]",
+            file=sys.stderr,
+        )
+    return 0
+
+
+def report_error(e: BaseException) -> int:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+
+
+ERRORS = (UsageError, ModelLoadError, FileNotFoundError, ValueError)

@@ -1,0 +1,92 @@
+"""The CLI: JSON output and trace, and clear errors with a non-zero exit for bad input."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+import model_dirs
+from mlx_engine.__main__ import main
+from reference import mlx_lm_greedy
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("models")
+    target = model_dirs.save_tiny(root / "target", seed=1)
+    other = model_dirs.save_tiny(root / "other_vocab", seed=2, vocab=300, corpus=["cats and dogs and birds " * 5])
+    return {"target": str(target), "other": str(other)}
+
+
+def run_json(capsys, *argv):
+    assert main(["generate", *argv, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_json_trace_equals_plain_decoding(dirs, capsys):
+    from mlx_engine import load
+
+    prompt = [5, 9, 13, 21, 9, 13]
+    common = ["--model", dirs["target"], "--prompt-tokens", ",".join(map(str, prompt)), "--max-tokens", "24", "--ignore-eos"]
+    plain = run_json(capsys, *common, "--drafter", "none")
+    spec = run_json(capsys, *common, "--drafter", "draft", "--draft-model", dirs["target"], "--num-draft", "3", "--trace")
+    ngram = run_json(capsys, *common, "--drafter", "ngram", "--trace")
+    ref = mlx_lm_greedy(load(dirs["target"]).model, prompt, 24)
+    assert plain["tokens"] == spec["tokens"] == ngram["tokens"] == ref
+    # the trace accounts for every token after the first, one entry per verify cycle
+    trace = spec["trace"]
+    assert [t for e in trace for t in e["emitted"]] == spec["tokens"][1:]
+    assert len(trace) == spec["stats"]["cycles"]
+    for e in trace:
+        assert e["emitted"][: e["accepted"]] == e["draft"][: e["accepted"]]
+        assert len(e["emitted"]) == e["accepted"] + 1 or e is trace[-1]
+    stats = spec["stats"]
+    assert stats["accepted"] == stats["drafted"] > 0  # the target drafting for itself
+    for key in ("generated", "drafted", "accepted", "acceptance_rate", "mean_accepted_length", "acceptance_per_position",
+                "decode_tps", "prompt_tps", "time_draft", "time_verify", "time_sample", "time_host", "peak_memory"):
+        assert key in stats
+    assert isinstance(spec["text"], str)
+
+
+def test_text_prompt_with_chat_template(dirs, capsys):
+    out = run_json(capsys, "--model", dirs["target"], "--prompt", "hello there", "--max-tokens", "5", "--ignore-eos")
+    assert len(out["tokens"]) == 5 and out["stats"]["prompt_tokens"] > 3
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--model", "/no/such/model", "--prompt", "hi"], "model not found"),
+        (["--model", "{target}", "--prompt", "hi", "--drafter", "draft", "--draft-model", "{other}"], "another vocabulary"),
+        (["--model", "{target}", "--prompt", "hi", "--num-draft", "-1"], "--num-draft must be >= 0"),
+        (["--model", "{target}", "--prompt", "hi", "--drafter", "medusa"], "unknown drafter"),
+        (["--model", "{target}", "--prompt", ""], "prompt is empty"),
+        (["--model", "{target}", "--prompt-tokens", ""], "prompt is empty"),
+        (["--model", "{target}", "--prompt-tokens", "1,x"], "comma-separated integers"),
+        (["--model", "{target}", "--prompt", "hi", "--drafter", "draft"], "needs --draft-model"),
+        (["--model", "{target}", "--prompt", "hi", "--temp", "-1"], "temperature must be >= 0"),
+        (["--model", "{target}", "--prompt", "hi", "--top-p", "0"], "top-p must be in"),
+        (["--model", "{target}", "--prompt-tokens", "1,99999"], "token ids must be in"),
+    ],
+)
+def test_bad_input_gives_clear_error(dirs, capsys, argv, message):
+    argv = [a.format(**dirs) for a in argv]
+    assert main(["generate", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err
+    assert "Traceback" not in err
+
+
+def test_module_entry_point(dirs):
+    """`python -m mlx_engine` as a user runs it: exit status and stderr."""
+    ok = subprocess.run(
+        [sys.executable, "-m", "mlx_engine", "generate", "--model", dirs["target"], "--prompt-tokens", "1,2,3",
+         "--max-tokens", "4", "--ignore-eos", "--drafter", "ngram", "--json"],
+        capture_output=True, text=True,
+    )
+    assert ok.returncode == 0, ok.stderr
+    assert len(json.loads(ok.stdout)["tokens"]) == 4
+    bad = subprocess.run([sys.executable, "-m", "mlx_engine", "generate", "--model", "/nope", "--prompt", "x"],
+                         capture_output=True, text=True)
+    assert bad.returncode == 2 and "model not found" in bad.stderr
