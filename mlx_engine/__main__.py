@@ -10,10 +10,20 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m mlx_engine", description="Lossless speculative decoding on MLX.")
     sub = parser.add_subparsers(dest="command", required=True)
     cli.add_generate_args(sub.add_parser("generate", help="generate text with (or without) speculative decoding"))
+    conv = sub.add_parser("convert", help="convert a Hugging Face checkpoint to MLX, keeping its MTP head")
+    conv.add_argument("--hf-path", required=True, help="HF-layout folder or hub repo id")
+    conv.add_argument("--mlx-path", required=True, help="output folder (must not exist)")
+    conv.add_argument("-q", "--quantize", action="store_true", help="quantize the target")
+    conv.add_argument("--q-bits", type=int, default=4, help="bits for the quantized target (default 4)")
+    conv.add_argument("--q-group-size", type=int, default=64, help="quantization group size (default 64)")
+    conv.add_argument("--mtp-bits", type=int, default=8,
+                      help="bits for the MTP head when quantizing (default 8; 0 keeps it float)")
     args = parser.parse_args(argv)
     try:
         if args.command == "generate":
             return cli.run_generate(args)
+        if args.command == "convert":
+            return cli.run_convert(args)
     except cli.ERRORS as e:
         return cli.report_error(e)
     return 1

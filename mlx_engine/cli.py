@@ -160,6 +160,18 @@ def run_generate(args) -> int:
     return 0
 
 
+def run_convert(args) -> int:
+    from .convert import convert
+    from .models import resolve
+
+    if args.mtp_bits and args.mtp_bits < 8:
+        print(f"warning: a {args.mtp_bits}-bit MTP head loses acceptance; 8 bits or more is recommended", file=sys.stderr)
+    out = convert(resolve(args.hf_path), args.mlx_path, quantize=args.quantize, q_bits=args.q_bits,
+                  q_group_size=args.q_group_size, mtp_bits=args.mtp_bits or None)
+    print(f"wrote {out}", file=sys.stderr)
+    return 0
+
+
 def report_error(e: BaseException) -> int:
     print(f"error: {e}", file=sys.stderr)
     return 2

@@ -124,6 +124,9 @@ class Engine:
             return
 
         t_decode = time.perf_counter()
+        if drafter is None or cfg.num_draft == 0:
+            yield from self._plain(cfg, history, target_key, t_decode)
+            return
         while stats.generated < cfg.max_tokens:
             t_cycle = time.perf_counter()
             remaining = cfg.max_tokens - stats.generated
@@ -136,6 +139,7 @@ class Engine:
             draft_key, dkey = mx.random.split(draft_key)
             draft = drafter.propose(k, sampling, dkey) if k > 0 else Draft(_EMPTY, None, [])
             k = draft.tokens.shape[0]
+            host.start(draft.tokens)  # the device drafts while Python builds the verify graph
             if profile:
                 t = time.perf_counter()
                 host.wait(draft.tokens, *([draft.probs] if draft.probs is not None else []))
@@ -179,4 +183,39 @@ class Engine:
             stats.peak_memory = mx.get_peak_memory()
             yield Step(emitted, values[k + 2 :], n)
             if emitted[-1] in cfg.stop_tokens:
+                return
+
+    def _plain(self, cfg: GenerationConfig, history: list[int], key: mx.array, t_decode: float) -> Iterator[Step]:
+        """Plain decoding, pipelined as in mlx-lm: step n+1 is built and started before token n is read.
+
+        Still one host read per cycle. The cache ends one token ahead (the step after the last token).
+        """
+        sampling, stats = cfg.sampling, self.stats
+        width = sampling.repetition_context
+
+        def step(token: mx.array, window: mx.array, key: mx.array):
+            logits, _ = self.target.forward(token, self.cache)
+            window = mx.concatenate([window, token])[-width:]  # history up to and including `token`
+            context = window if sampling.penalized else None
+            return self._choose(logits, context, Draft(_EMPTY, None), sampling, key)[1:2], window
+
+        key, sub = mx.random.split(key)
+        token, window = step(mx.array(history[-1:]), mx.array(history[:-1][-width:]), sub)
+        host.start(token)
+        while stats.generated < cfg.max_tokens:
+            t_cycle = time.perf_counter()
+            current = token
+            if stats.generated + 1 < cfg.max_tokens:
+                key, sub = mx.random.split(key)
+                token, window = step(current, window, sub)
+                host.start(token)
+            t_sync = time.perf_counter()
+            tok = host.read(current)[0]  # the cycle's one host synchronisation
+            t_back = time.perf_counter()
+            stats.record_cycle(0, 0, 1)
+            stats.time_host += (t_sync - t_cycle) + (time.perf_counter() - t_back)
+            stats.decode_time = time.perf_counter() - t_decode
+            stats.peak_memory = mx.get_peak_memory()
+            yield Step([tok], [], 0)
+            if tok in cfg.stop_tokens:
                 return

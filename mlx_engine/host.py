@@ -20,5 +20,10 @@ def wait(*arrays) -> None:
     mx.eval(*arrays)
 
 
+def start(*arrays) -> None:
+    """Start evaluating arrays in the background (not a synchronisation)."""
+    mx.async_eval(*arrays)
+
+
 def total() -> int:
     return counts["read"] + counts["wait"]

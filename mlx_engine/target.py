@@ -13,7 +13,7 @@ from .cache import make_cache
 
 def _text_model(model: nn.Module) -> nn.Module:
     """The module holding `.model` (+ `.lm_head`): the model itself, or its language model (VLM wrappers)."""
-    for candidate in (model, getattr(model, "language_model", None)):
+    for candidate in (getattr(model, "language_model", None), model):
         if candidate is not None and isinstance(getattr(candidate, "model", None), nn.Module):
             return candidate
     raise ValueError(f"cannot find the inner decoder of {type(model).__name__}")
@@ -26,8 +26,8 @@ def _install_capture(module: nn.Module) -> None:
 
     def __call__(self, *args, **kwargs):
         out = cls.__call__(self, *args, **kwargs)
-        if self._capture_on:
-            self._captured = out
+        if self._capture_on:  # object.__setattr__: nn.Module would store an array in its parameter dict
+            object.__setattr__(self, "_captured", out)
         return out
 
     module.__class__ = type(cls.__name__, (cls,), {"__call__": __call__, "_mlx_engine_capture": True})

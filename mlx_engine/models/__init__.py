@@ -68,7 +68,9 @@ def default_dtype() -> mx.Dtype | None:
 
 def load(path_or_repo: str, dtype: mx.Dtype | None | str = "auto", lazy: bool = False) -> LoadedModel:
     """Load model + tokenizer. dtype: "auto" (fp32 on CPU), None (as stored) or an mx dtype."""
-    from mlx_lm.utils import load_model, load_tokenizer
+    from mlx_lm.utils import load_tokenizer
+
+    from .hf_weights import load_model  # mlx-lm's, with MTP tensors set aside before sanitize
 
     if dtype == "auto":
         dtype = default_dtype()
@@ -83,7 +85,7 @@ def load(path_or_repo: str, dtype: mx.Dtype | None | str = "auto", lazy: bool = 
     if not (path / "config.json").exists():
         raise ModelLoadError(f"{path} has no config.json: not a model folder")
     try:
-        model, config = load_model(path, lazy=True)
+        model, config, _ = load_model(path, lazy=True)
         tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
     except (ValueError, FileNotFoundError, KeyError) as e:
         raise ModelLoadError(f"could not load {path}: {e}") from e

@@ -1,0 +1,182 @@
+"""MTP drafters: the target's own multi-token-prediction head(s), one file per family.
+
+    from mlx_engine.drafters.mtp import load_mtp_drafter
+    drafter = load_mtp_drafter(model, model_path, config, mtp_weights=None)
+
+Where the head's weights come from, in order: `mtp_weights` (a safetensors file: HF names, or the MLX
+head file `convert` writes), `<model_path>/mtp.safetensors` (written by `python -m mlx_engine convert`),
+else the HF-layout shards in `model_path`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten, tree_map
+
+from ... import host
+from ...models.hf_weights import (
+    MTPWeightsError,
+    dequantize_fp8,
+    fp8_block,
+    quantize_like,
+    read_weights,
+    text_config,
+)
+from .drafter import MTPDrafter, MTPHead, MTPLayer
+
+__all__ = [
+    "MTPDrafter", "MTPHead", "MTPLayer", "MTPWeightsError", "MissingHeadError", "UnsupportedFamilyError",
+    "HeadMismatchError", "SUPPORTED", "family_module", "load_head", "load_mtp_drafter", "head_weights_mlx",
+    "HEAD_FILE", "HEAD_FORMAT",
+]
+
+HEAD_FILE = "mtp.safetensors"
+HEAD_JSON = "mtp.json"
+HEAD_FORMAT = "mlx-engine-mtp-v1"
+
+
+class UnsupportedFamilyError(MTPWeightsError):
+    """The model family has no MTP support here."""
+
+
+class MissingHeadError(MTPWeightsError):
+    """The checkpoint holds no MTP head weights."""
+
+
+class HeadMismatchError(MTPWeightsError):
+    """The head's tensors do not fit the target (missing, unexpected or wrongly shaped)."""
+
+
+# model_type -> family file
+SUPPORTED = {
+    "qwen3_5": "qwen3_5",
+    "qwen3_5_moe": "qwen3_5",
+    "qwen3_next": "qwen3_next",
+    "deepseek_v3": "deepseek_v3",
+    "glm4_moe": "glm4_moe",
+    "glm4_moe_lite": "glm4_moe_lite",
+    "mimo": "mimo",
+    "step3p5": "step3p5",
+}
+
+
+def family_module(config: dict):
+    mt = config.get("model_type")
+    if mt not in SUPPORTED:
+        raise UnsupportedFamilyError(
+            f"model family {mt!r} has no MTP drafter here (supported: {', '.join(sorted(SUPPORTED))})"
+        )
+    return importlib.import_module(f"{__name__}.{SUPPORTED[mt]}")
+
+
+def _float_dtype(model: nn.Module):
+    for _, v in tree_flatten(model.parameters()):
+        if mx.issubdtype(v.dtype, mx.floating) and v.ndim == 1:  # a norm weight: never quantized
+            return v.dtype
+    return mx.float32
+
+
+def head_weights_mlx(model: nn.Module, config: dict, hf_weights: dict) -> dict:
+    """HF-named head tensors (as found in the checkpoint) -> the MTPHead's parameter names."""
+    fam = family_module(config)
+    tc = text_config(config)
+    if not hf_weights:
+        raise MissingHeadError(f"{config.get('model_type')}: no MTP head weights given")
+    w = dequantize_fp8(hf_weights, fp8_block(config))
+    return fam.to_mlx(w, model, tc)
+
+
+def _read_head_file(path: Path, config: dict):
+    """(weights, layout "mlx"|"hf", quantization dict|None) of a separate head file."""
+    try:
+        weights, meta = mx.load(str(path), return_metadata=True)
+    except Exception as e:
+        raise MTPWeightsError(f"cannot read MTP weights file {path}: {e}") from e
+    meta = meta or {}
+    if meta.get("format") == HEAD_FORMAT or all(k.startswith("layers.") for k in weights):
+        fam = meta.get("family")
+        if fam and SUPPORTED.get(config.get("model_type")) != SUPPORTED.get(fam, fam):
+            raise HeadMismatchError(
+                f"{path} holds a {fam} MTP head but the target is {config.get('model_type')}"
+            )
+        q = json.loads(meta["quantization"]) if meta.get("quantization") else None
+        return weights, "mlx", q
+    return weights, "hf", None
+
+
+def _check_fit(head: MTPHead, weights: dict, family: str, source: str) -> None:
+    want = dict(tree_flatten(head.parameters()))
+    missing = sorted(set(want) - set(weights))
+    extra = sorted(set(weights) - set(want))
+    bad = [f"{k}: file {tuple(weights[k].shape)} vs model {tuple(want[k].shape)}"
+           for k in sorted(set(want) & set(weights)) if tuple(want[k].shape) != tuple(weights[k].shape)]
+    if missing or extra or bad:
+        parts = []
+        if missing:
+            parts.append(f"missing {missing[:6]}{' ...' if len(missing) > 6 else ''}")
+        if extra:
+            parts.append(f"unexpected {extra[:6]}{' ...' if len(extra) > 6 else ''}")
+        if bad:
+            parts.append(f"wrong shapes {bad[:6]}{' ...' if len(bad) > 6 else ''}")
+        raise HeadMismatchError(f"{family}: the MTP head in {source} does not fit the target: " + "; ".join(parts))
+
+
+def load_head(model: nn.Module, model_path, config: dict, mtp_weights=None, dtype="auto") -> MTPHead:
+    """Build the family's head and load its weights (see the module docstring for where from)."""
+    fam = family_module(config)
+    family = config.get("model_type")
+    tc = text_config(config)
+    quant = None
+    if mtp_weights is not None:
+        path = Path(mtp_weights)
+        if not path.is_file():
+            raise MissingHeadError(f"{family}: MTP weights file {path} does not exist")
+        weights, layout, quant = _read_head_file(path, config)
+        if layout == "hf":
+            pred = fam.head_key_predicate(tc)
+            weights = {k: v for k, v in weights.items() if pred(k)}
+            if not weights:
+                raise MissingHeadError(f"{family}: {path} holds no MTP head tensors of this family")
+        source = str(path)
+    else:
+        folder = Path(model_path) if model_path is not None else None
+        if folder is not None and (folder / HEAD_FILE).is_file():
+            weights, layout, quant = _read_head_file(folder / HEAD_FILE, config)
+            source = str(folder / HEAD_FILE)
+        else:
+            weights = read_weights(folder, fam.head_key_predicate(tc)) if folder is not None else {}
+            layout, source = "hf", str(folder)
+            if not weights:
+                raise MissingHeadError(
+                    f"{family}: {folder} has no MTP head weights (no {HEAD_FILE}, no head tensors in the "
+                    f"safetensors shards; MLX community conversions strip them). Load the original HF "
+                    f"checkpoint or pass --mtp-weights PATH"
+                )
+    if layout == "hf":
+        weights = head_weights_mlx(model, config, weights)
+    head = fam.build(model, tc, set(weights))
+    if not head.layers:
+        raise MissingHeadError(f"{family}: no MTP layers found in {source}")
+    if quant:
+        quantize_like(head, weights, quant["bits"], quant["group_size"], quant.get("mode", "affine"))
+    _check_fit(head, weights, family, source)
+    head.load_weights(list(weights.items()))
+    if dtype == "auto":
+        dtype = _float_dtype(model)
+    if dtype is not None:
+        head.update(tree_map(lambda x: x.astype(dtype) if mx.issubdtype(x.dtype, mx.floating) else x,
+                             head.parameters()))
+    head.eval()
+    host.wait(head.parameters())  # load time, not the loop
+    return head
+
+
+def load_mtp_drafter(model: nn.Module, model_path, config: dict, mtp_weights=None, dtype="auto",
+                     prefill_step: int = 2048) -> MTPDrafter:
+    """The MTP drafter of `model` (an mlx-lm model; config = its config.json dict)."""
+    return MTPDrafter(load_head(model, model_path, config, mtp_weights, dtype), model, prefill_step)

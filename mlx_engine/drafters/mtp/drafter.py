@@ -1,0 +1,194 @@
+"""The MTP drafter: the target's own multi-token-prediction head(s), run with their own KV cache.
+
+Slot bookkeeping (mtp-heads.md §0). Committed tokens t_0..t_M; the target has fed t_0..t_{M-1} and
+produced final-normed hidden states h_0..h_{M-1}. Head slot p takes (Emb(t_{p+1}), h_p) and predicts
+t_{p+2}; its KV entry sits at RoPE position p (cache offset == slot index).
+
+- The head cache holds exact (target-conditioned) entries for the committed slots. Slots whose inputs
+  are known but not yet fed are *pending* (hidden rows + tokens); they are fed in ONE batch by the next
+  `propose` (or `flush`): after `begin` that is the whole prompt, after a verify the accepted slots plus
+  the slot of the bonus token.
+- `propose(k)`: feed the pending slots (the last one's output h' gives draft 1), then chain k-1 steps on
+  the head's own post-norm output h' (several layers: layer (step % L), vLLM style). Those k-1 entries
+  are draft-time approximations and are trimmed at `commit`.
+- `commit`: trim the approximations, then queue the accepted slots with the TRUE hidden states of the
+  verify pass (vLLM #14649): rows 0..n of `hidden` paired with the emitted tokens.
+"""
+
+from __future__ import annotations
+
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.base import create_attention_mask
+from mlx_lm.models.cache import KVCache
+
+from ... import cache as cache_ops
+from ... import host
+from ...sampling import SamplingConfig, choose
+from ..base import Draft, Verdict
+
+
+class MTPLayer(nn.Module):
+    """One head: x = eh_proj(cat[enorm(e), hnorm(h)]) -> block -> norm -> h' (lm_head outside).
+
+    `order` is "eh" (DeepSeek, GLM, Qwen, Step) or "he" (MiMo-7B). `head` (optional) is the layer's own
+    output projection (Step-3.5 shared_head.output); otherwise the target's lm_head scores h'.
+    """
+
+    def __init__(self, hidden: int, eps: float, block: nn.Module, order: str = "eh", own_head: int = 0,
+                 norm_cls=nn.RMSNorm):
+        super().__init__()
+        if order not in ("eh", "he"):
+            raise ValueError(f"concat order must be 'eh' or 'he', got {order!r}")
+        self.order = order
+        self.enorm = norm_cls(hidden, eps=eps)
+        self.hnorm = norm_cls(hidden, eps=eps)
+        self.eh_proj = nn.Linear(2 * hidden, hidden, bias=False)
+        self.block = block
+        self.norm = norm_cls(hidden, eps=eps)
+        if own_head:
+            self.head = nn.Linear(hidden, own_head, bias=False)
+
+    def project(self, e: mx.array, h: mx.array) -> mx.array:
+        a, b = self.enorm(e), self.hnorm(h)
+        return self.eh_proj(mx.concatenate([a, b] if self.order == "eh" else [b, a], axis=-1))
+
+    def __call__(self, e: mx.array, h: mx.array, cache, window: int | None = None) -> mx.array:
+        """e, h: [L, H] for L consecutive slots -> h' [L, H]."""
+        x = self.project(e, h)[None]
+        mask = create_attention_mask(x, cache, window_size=window, return_array=True)
+        y = self.block(x, mask, cache)
+        return self.norm(y)[0]
+
+
+class MTPHead(nn.Module):
+    """The head's layers plus how they run: `windows[i]` (sliding window or None) per layer."""
+
+    def __init__(self, family: str, layers: list[MTPLayer], windows: list[int | None] | None = None):
+        super().__init__()
+        self.family = family
+        self.layers = layers
+        self.windows = windows or [None] * len(layers)
+
+    def make_cache(self) -> list:
+        return [KVCache() for _ in self.layers]
+
+
+class MTPDrafter:
+    name = "mtp"
+    needs_hidden = True
+
+    def __init__(self, head: MTPHead, target, prefill_step: int = 2048):
+        from ...target import Target
+
+        self.head = head
+        self.target = target if isinstance(target, Target) else Target(target)
+        self.family = head.family
+        self.prefill_step = prefill_step
+        self.cache: list = []
+        self.history: list[int] = []
+        self._pend_h: list[mx.array] = []  # target hidden rows of pending slots
+        self._pend_tok: list[int] = []  # the token t_{p+1} of each pending slot
+        self._out: mx.array | None = None  # h' [1, H] of the last fed slot, when nothing is pending
+        self._ckpt = None
+        self._k = 0
+
+    # -- pieces ------------------------------------------------------------------------------------
+    @property
+    def num_layers(self) -> int:
+        return len(self.head.layers)
+
+    def _embed(self, tokens: mx.array) -> mx.array:
+        return self.target.embed_tokens(tokens)
+
+    def _run(self, i: int, tokens: mx.array, h: mx.array) -> mx.array:
+        return self.head.layers[i](self._embed(tokens), h, self.cache[i], self.head.windows[i])
+
+    def _logits(self, i: int, h: mx.array, drafted: list) -> mx.array:
+        """Logits of draft step i from the head output h' [1, H] (`drafted`: the lazy drafts so far)."""
+        layer = self.head.layers[i]
+        if "head" in layer:
+            return layer.head(h)
+        return self.target.lm_head(h)
+
+    def _feed_pending(self) -> None:
+        """Feed every pending slot through every layer (exact entries), in chunks of prefill_step."""
+        if not self._pend_tok:
+            return
+        h_all = mx.concatenate(self._pend_h) if len(self._pend_h) > 1 else self._pend_h[0]
+        toks = self._pend_tok
+        out = None
+        for s in range(0, len(toks), self.prefill_step):
+            tok = mx.array(toks[s : s + self.prefill_step], dtype=mx.int32)
+            h = h_all[s : s + self.prefill_step]
+            for i in range(self.num_layers):
+                y = self._run(i, tok, h)
+                if i == 0:
+                    out = y
+            if s + self.prefill_step < len(toks):
+                host.wait([c.state for c in self.cache])
+        self._out = out[-1:]
+        self._pend_h, self._pend_tok = [], []
+
+    def flush(self) -> None:
+        """Feed the pending slots now (tests inspect the cache after it; propose does it anyway)."""
+        self._feed_pending()
+
+    # -- the protocol ------------------------------------------------------------------------------
+    def begin(self, tokens: list[int], hidden: mx.array | None) -> None:
+        if hidden is None:
+            raise ValueError("the MTP drafter needs the target's hidden states (needs_hidden)")
+        n = len(tokens) - 1  # fed prompt tokens
+        if hidden.shape[0] != n:
+            raise ValueError(f"expected hidden states for {n} prompt tokens, got {hidden.shape[0]}")
+        self.cache = self.head.make_cache()
+        self.history = list(tokens)
+        self._pend_h = [hidden]
+        self._pend_tok = list(tokens[1:])  # slot p takes t_{p+1}, p = 0..n-1 (slot n-1: the first token)
+        self._out = None
+        self._ckpt = None
+
+    def propose(self, k: int, sampling: SamplingConfig, key: mx.array) -> Draft:
+        self._feed_pending()
+        h = self._out
+        self._k = k
+        # chained step s (1..k-1) feeds one draft-time entry into layer s % L: checkpoint each layer
+        n_chain = [0] * self.num_layers
+        for s in range(1, k):
+            n_chain[s % self.num_layers] += 1
+        self._ckpt = [cache_ops.checkpoint([c], n) for c, n in zip(self.cache, n_chain)]
+        keys = mx.random.split(key, k)
+        window = mx.array(self.history[-sampling.repetition_context :]) if sampling.penalized else None
+        tokens, probs = [], []
+        for i in range(k):
+            li = i % self.num_layers
+            logits = self._logits(li, h, tokens)
+            context = mx.concatenate([window, *tokens]) if window is not None else None
+            tok, p = choose(logits, context, sampling, keys[i])
+            tok = tok.astype(mx.int32)
+            tokens.append(tok)
+            probs.append(p)
+            if i + 1 < k:
+                h = self._run((i + 1) % self.num_layers, tok, h)
+        draft_tokens = mx.concatenate(tokens)
+        draft_probs = None if sampling.greedy else mx.concatenate(probs)
+        return Draft(draft_tokens, draft_probs)
+
+    def commit(self, verdict: Verdict, hidden: mx.array | None) -> None:
+        n, k = verdict.n_accepted, verdict.n_drafted
+        if hidden is None or hidden.shape[0] < n + 1:
+            raise ValueError("the MTP drafter needs the verify pass's hidden states for the kept inputs")
+        if k > 0 and self._ckpt is not None:
+            # drop the k-1 chained draft-time entries; the first slot was fed with the true hidden
+            for c, ckpt in zip(self.cache, self._ckpt):
+                cache_ops.rollback([c], ckpt, 0)
+        self._ckpt = None
+        # slots for inputs [last, d_1..d_n]: (h of that input, the token after it)
+        self._pend_h.append(hidden[: n + 1])
+        self._pend_tok.extend(verdict.tokens[: n + 1])
+        self._out = None
+        self.history += verdict.tokens
+
+    def max_draft(self) -> int | None:
+        return None

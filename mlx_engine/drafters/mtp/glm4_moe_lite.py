@@ -1,0 +1,25 @@
+"""GLM-4.7-Flash (glm4_moe_lite): DeepSeek-style MLA + MoE, head at model.layers.{num_hidden_layers}."""
+
+from __future__ import annotations
+
+import mlx.nn as nn
+
+from .common import deepseek_style, layer_indices, text_module
+from .deepseek_v3 import head_key_predicate  # noqa: F401
+from .drafter import MTPHead, MTPLayer
+
+FAMILY = "glm4_moe_lite"
+
+
+def to_mlx(hf: dict, model: nn.Module, tc: dict) -> dict:
+    return deepseek_style(hf, model, int(tc["num_hidden_layers"]), FAMILY)
+
+
+def build(model: nn.Module, tc: dict, keys) -> MTPHead:
+    from mlx_lm.models.glm4_moe_lite import Glm4MoeLiteDecoderLayer
+
+    args = text_module(model).args
+    n = args.num_hidden_layers
+    layers = [MTPLayer(args.hidden_size, args.rms_norm_eps, Glm4MoeLiteDecoderLayer(args, n + i), "eh")
+              for i in layer_indices(keys)]
+    return MTPHead(FAMILY, layers)

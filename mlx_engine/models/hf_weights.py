@@ -1,0 +1,176 @@
+"""Hugging Face layout safetensors: shards, FP8 block dequantisation, and the MTP head's tensors.
+
+mlx-lm's loaders drop the MTP weights in `sanitize` (and deepseek_v3's hard-codes `model.layers.61`, so
+a checkpoint whose head sits elsewhere does not load at all). Here:
+
+- `read_weights(folder)` reads every shard (via model.safetensors.index.json when present);
+- `dequantize_fp8(weights, block)` turns `weight` + `weight_scale_inv` (128x128 blocks) into floats;
+- `split_head(weights, config)` separates the head's tensors from the target's;
+- `load_model(folder)` is mlx-lm's `load_model` with the head's tensors filtered out BEFORE the family's
+  sanitize, so every family's target loads; it also returns the head tensors it set aside.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+
+FP8_BLOCK = 128
+
+
+class MTPWeightsError(ValueError):
+    """The MTP head's weights are missing, of an unsupported family, or do not fit the target."""
+
+
+def text_config(config: dict) -> dict:
+    """The language model's config (Qwen3.5 nests it under text_config)."""
+    tc = config.get("text_config")
+    if isinstance(tc, dict) and tc:
+        return {**tc, "model_type": tc.get("model_type", config.get("model_type"))}
+    return config
+
+
+def weight_files(folder: Path) -> list[Path]:
+    """Shards of an HF-layout folder: those named in model.safetensors.index.json, else model*.safetensors."""
+    folder = Path(folder)
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [folder / n for n in names]
+    return [Path(p) for p in sorted(glob.glob(str(folder / "model*.safetensors")))]
+
+
+def read_weights(folder: Path, keep=None) -> dict[str, mx.array]:
+    """All tensors of the shards (lazily loaded); `keep(name)` selects some."""
+    out: dict[str, mx.array] = {}
+    for f in weight_files(folder):
+        for k, v in mx.load(str(f)).items():
+            if keep is None or keep(k):
+                out[k] = v
+    return out
+
+
+def fp8_block(config: dict) -> tuple[int, int]:
+    qc = config.get("quantization_config") or text_config(config).get("quantization_config") or {}
+    bs = qc.get("weight_block_size") or [FP8_BLOCK, FP8_BLOCK]
+    return int(bs[0]), int(bs[1])
+
+
+def dequantize_fp8_tensor(weight: mx.array, scale_inv: mx.array, block=(FP8_BLOCK, FP8_BLOCK),
+                          dtype=mx.float32) -> mx.array:
+    """weight: fp8 e4m3 bytes [m, n] (uint8); scale_inv: [ceil(m/b0), ceil(n/b1)] -> dtype [m, n]."""
+    b0, b1 = block
+    w = mx.from_fp8(weight, dtype=mx.float32) if weight.dtype == mx.uint8 else weight.astype(mx.float32)
+    m, n = w.shape
+    pm, pn = (-m) % b0, (-n) % b1
+    w = mx.pad(w, ((0, pm), (0, pn))).reshape((m + pm) // b0, b0, (n + pn) // b1, b1)
+    w = w * scale_inv.astype(mx.float32)[:, None, :, None]
+    return w.reshape(m + pm, n + pn)[:m, :n].astype(dtype)
+
+
+def dequantize_fp8(weights: dict, block=(FP8_BLOCK, FP8_BLOCK), dtype=mx.float32) -> dict:
+    """Replace every `X.weight` that has an `X.weight_scale_inv` by its dequantised value."""
+    out = {}
+    for k, v in weights.items():
+        if k.endswith(".weight_scale_inv"):
+            continue
+        sk = k + "_scale_inv" if k.endswith(".weight") else None
+        if sk is not None and sk in weights:
+            out[k] = dequantize_fp8_tensor(v, weights[sk], block, dtype)
+        else:
+            out[k] = v
+    return out
+
+
+def split_head(weights: dict, config: dict) -> tuple[dict, dict]:
+    """(target weights, head weights) by the family's head prefixes."""
+    from ..drafters.mtp import family_module
+
+    fam = family_module(config)
+    is_head = fam.head_key_predicate(text_config(config))
+    target, head = {}, {}
+    for k, v in weights.items():
+        (head if is_head(k) else target)[k] = v
+    return target, head
+
+
+def head_predicate(config: dict):
+    """A predicate on HF names selecting the head's tensors, or None when the family has no known head."""
+    from ..drafters.mtp import family_module
+
+    try:
+        fam = family_module(config)
+    except MTPWeightsError:
+        return None
+    return fam.head_key_predicate(text_config(config))
+
+
+def stack_experts(weights: dict, prefix: str, n_experts: int, dst: str = "switch_mlp") -> dict:
+    """Per-expert `{prefix}.experts.{e}.{proj}.{weight|scales|biases}` -> `{prefix}.{dst}.{proj}.*` [E, ...].
+
+    Also splits a fused `{prefix}.experts.gate_up_proj` [E, 2I, H] (+ `experts.down_proj`) (Qwen3.5 MoE).
+    """
+    w = dict(weights)
+    for proj in ("gate_proj", "up_proj", "down_proj"):
+        for suffix in ("weight", "scales", "biases"):
+            first = f"{prefix}.experts.0.{proj}.{suffix}"
+            if first in w:
+                parts = [w.pop(f"{prefix}.experts.{e}.{proj}.{suffix}") for e in range(n_experts)]
+                w[f"{prefix}.{dst}.{proj}.{suffix}"] = mx.stack(parts)
+    fused = f"{prefix}.experts.gate_up_proj"
+    if fused in w:
+        gu = w.pop(fused)
+        mid = gu.shape[-2] // 2
+        w[f"{prefix}.{dst}.gate_proj.weight"] = gu[..., :mid, :]
+        w[f"{prefix}.{dst}.up_proj.weight"] = gu[..., mid:, :]
+        w[f"{prefix}.{dst}.down_proj.weight"] = w.pop(f"{prefix}.experts.down_proj")
+    return w
+
+
+def load_model(folder: Path, lazy: bool = False, strict: bool = True):
+    """mlx-lm's load_model for any folder, with the MTP head's tensors set aside before sanitize.
+
+    Returns (model, config, head_weights) -- head_weights in HF names (empty for an MLX folder or a
+    model without heads). Drop-in for `mlx_lm.utils.load_model` in mlx_engine.models.load.
+    """
+    from mlx_lm.utils import _get_classes
+    from mlx_lm.utils import load_model as _load_model
+
+    folder = Path(folder)
+    stash: dict = {}
+    orig: dict = {}
+
+    def get_classes(config):
+        model_cls, args_cls = _get_classes(config)
+        pred = head_predicate(config)
+        if pred is None:
+            return model_cls, args_cls
+        orig["cls"] = model_cls
+
+        def sanitize(self, weights):
+            kept = {}
+            for k, v in weights.items():
+                (stash if pred(k) else kept)[k] = v
+            if hasattr(model_cls, "sanitize"):
+                return model_cls.sanitize(self, kept)
+            return kept
+
+        return type(model_cls.__name__, (model_cls,), {"sanitize": sanitize}), args_cls
+
+    model, config = _load_model(folder, lazy=lazy, strict=strict, get_model_classes=get_classes)
+    if "cls" in orig:
+        model.__class__ = orig["cls"]
+    return model, config, stash
+
+
+def quantize_like(module: nn.Module, weights: dict, bits: int, group_size: int, mode: str = "affine") -> None:
+    """Quantize the layers of `module` that have `.scales` in `weights` (loading a quantized head)."""
+
+    def pred(path, m):
+        return hasattr(m, "to_quantized") and f"{path}.scales" in weights
+
+    nn.quantize(module, group_size=group_size, bits=bits, mode=mode, class_predicate=pred)
