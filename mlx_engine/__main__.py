@@ -18,6 +18,12 @@ def main(argv: list[str] | None = None) -> int:
     conv.add_argument("--q-group-size", type=int, default=64, help="quantization group size (default 64)")
     conv.add_argument("--mtp-bits", type=int, default=8,
                       help="bits for the MTP head when quantizing (default 8; 0 keeps it float)")
+    sub.add_parser("train-mtp", help="train an MTP head for a model that ships none (see --help)", add_help=False)
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["train-mtp"]:
+        from .train_mtp import main as train_main
+
+        return train_main(argv[1:])
     args = parser.parse_args(argv)
     try:
         if args.command == "generate":

@@ -23,7 +23,8 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drafter", default="none", help=f"one of {', '.join(DRAFTERS)} (default: none = plain decoding)")
     p.add_argument("--draft-model", help="draft model for --drafter draft (same tokenizer as --model)")
     p.add_argument("--mtp-weights", help="safetensors file with the MTP head, for --drafter mtp")
-    p.add_argument("--num-draft", type=int, default=4, help="tokens drafted per cycle, k >= 0 (default 4)")
+    p.add_argument("--num-draft", default="auto",
+                   help="tokens drafted per cycle: k >= 0, or auto (default): the k that measures fastest, 0 included")
     p.add_argument("--temp", type=float, default=0.0, help="sampling temperature; 0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
     p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
@@ -38,6 +39,18 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence tokens")
     p.add_argument("--json", action="store_true", help="print one JSON object: tokens, text, stats")
     p.add_argument("--trace", action="store_true", help="with --json: add one entry per verify cycle")
+
+
+def parse_num_draft(text) -> int | str:
+    if text == "auto":
+        return "auto"
+    try:
+        k = int(text)
+    except (TypeError, ValueError):
+        raise UsageError(f"--num-draft must be an integer >= 0 or 'auto', got {text!r}") from None
+    if k < 0:
+        raise UsageError(f"--num-draft must be >= 0, got {k}")
+    return k
 
 
 def parse_prompt_tokens(text: str) -> list[int]:
@@ -99,8 +112,7 @@ def make_drafter(args, target: LoadedModel):
 
 def build(args):
     """Validate arguments, load model and drafter. Returns (loaded, engine, prompt, config)."""
-    if args.num_draft < 0:
-        raise UsageError(f"--num-draft must be >= 0, got {args.num_draft}")
+    args.num_draft = parse_num_draft(args.num_draft)
     if args.max_tokens < 1:
         raise UsageError(f"--max-tokens must be >= 1, got {args.max_tokens}")
     if args.drafter not in DRAFTERS:

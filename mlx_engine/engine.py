@@ -2,8 +2,12 @@
 
 Each cycle the drafter proposes k tokens (lazily), the target scores [last, d_1..d_k] in one forward pass,
 the acceptance rule picks a prefix and the next token on device, and a single host read brings back
-`[n_accepted, t_0..t_k]`. Then `commit` rolls the target cache back to the kept prefix (the one place
-that bookkeeping happens) and the drafter advances.
+`[n_accepted, t_0..t_k]`. Then `_commit` rolls the target cache back to the kept prefix (the one place
+that bookkeeping happens) and the drafter advances. When the draft policy picks k = 0, a stretch of
+tokens is decoded plainly, pipelined as in mlx-lm, with the drafter kept in step.
+
+State between cycles: the target cache holds every committed token except `_last` (sampled, not yet
+fed) and `_replay` (kept tokens a non-trimmable cache must be fed again, folded into the next pass).
 """
 
 import time
@@ -16,6 +20,7 @@ import mlx.nn as nn
 from . import cache as cache_ops
 from . import host
 from .drafters.base import Draft, Drafter, Verdict
+from .policy import AdaptivePolicy, FixedPolicy
 from .sampling import SamplingConfig, probabilities, process_logits
 from .stats import SpecStats
 from .target import Target
@@ -25,7 +30,7 @@ from .verify import accept_greedy, accept_sampled
 @dataclass
 class GenerationConfig:
     max_tokens: int = 256
-    num_draft: int = 4  # k: tokens drafted per cycle (0 = plain decoding)
+    num_draft: int | str = 4  # k drafted per cycle (0 = plain decoding), or "auto" (the adaptive policy)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     seed: int = 0
     stop_tokens: frozenset[int] = frozenset()
@@ -35,8 +40,8 @@ class GenerationConfig:
     def __post_init__(self):
         if self.max_tokens < 1:
             raise ValueError(f"max tokens must be >= 1, got {self.max_tokens}")
-        if self.num_draft < 0:
-            raise ValueError(f"number of draft tokens must be >= 0, got {self.num_draft}")
+        if self.num_draft != "auto" and (not isinstance(self.num_draft, int) or self.num_draft < 0):
+            raise ValueError(f"number of draft tokens must be an integer >= 0 or 'auto', got {self.num_draft!r}")
         if self.prefill_step < 1:
             raise ValueError(f"prefill step must be >= 1, got {self.prefill_step}")
 
@@ -51,29 +56,38 @@ class Step:
 
 
 _EMPTY = mx.zeros((0,), dtype=mx.int32)
+_NO_DRAFT = Draft(_EMPTY, None, [])
 
 
 class Engine:
-    def __init__(self, model: nn.Module, drafter: Drafter | None = None):
+    def __init__(self, model: nn.Module, drafter: Drafter | None = None, max_draft: int = 8):
         self.target = Target(model)
         self.drafter = drafter
+        self.policy = AdaptivePolicy(max_k=max_draft)  # kept across generations: what it learnt carries over
         self.stats = SpecStats()
         self.cache: list = []
 
     # -- the one place where cache bookkeeping happens -------------------------------------------
-    def _commit(self, ckpt, verdict: Verdict, hidden) -> list[int]:
-        """Roll the target back to the kept inputs; returns tokens to replay before the next pass."""
+    def _commit(self, ckpt, verdict: Verdict, hidden) -> None:
+        """Roll the target back to the kept inputs [replay, last, d_1..d_n]; advance the drafter."""
         kept = self._replay + [self._last] + verdict.tokens[: verdict.n_accepted]
-        replay = cache_ops.rollback(self.cache, ckpt, len(kept))
+        replay = cache_ops.rollback(self.cache, ckpt, len(kept)) if ckpt is not None else 0
+        self._replay = kept[len(kept) - replay :] if replay else []
+        self._last = verdict.tokens[verdict.n_accepted]
         if self.drafter is not None:
             self.drafter.commit(verdict, hidden)
-        return kept[len(kept) - replay :] if replay else []
 
     def _choose(self, logits, context, draft: Draft, cfg: SamplingConfig, key) -> mx.array:
         logits = process_logits(logits, context, cfg)
         if cfg.greedy:
             return accept_greedy(logits, draft.tokens)
         return accept_sampled(probabilities(logits, cfg), draft.tokens, draft.probs, key)
+
+    def _context(self, cfg: SamplingConfig, draft: mx.array):
+        """Penalty history of each verified row: the last committed tokens, then the drafts."""
+        if not cfg.penalized:
+            return None
+        return mx.concatenate([mx.array(self._history[-cfg.repetition_context :]), draft])
 
     def _prefill(self, prompt: list[int], cfg: GenerationConfig, want_hidden: bool):
         """Feed prompt[:-1] in chunks, then the last prompt token alone (as mlx-lm does)."""
@@ -87,6 +101,14 @@ class Engine:
         hidden.append(h)
         return logits, (mx.concatenate(hidden) if want_hidden else None)
 
+    def _emit(self, tokens: list[int], cfg: GenerationConfig) -> tuple[list[int], bool]:
+        """Cut emitted tokens at max_tokens and after a stop token; record them."""
+        tokens = tokens[: cfg.max_tokens - self.stats.generated]
+        for i, tok in enumerate(tokens):
+            if tok in cfg.stop_tokens:
+                return tokens[: i + 1], True
+        return tokens, False
+
     def generate(self, prompt: list[int], config: GenerationConfig | None = None) -> Iterator[Step]:
         """Yield one Step per cycle (the first holds the token sampled after the prompt)."""
         cfg = config or GenerationConfig()
@@ -95,28 +117,27 @@ class Engine:
         vocab = self.target.vocab_size
         if max(prompt) >= vocab or min(prompt) < 0:
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
-        sampling = cfg.sampling
-        drafter = self.drafter
+        sampling, drafter = cfg.sampling, self.drafter
         want_hidden = drafter is not None and drafter.needs_hidden
+        if drafter is None:
+            policy = FixedPolicy(0)
+        else:
+            policy = self.policy if cfg.num_draft == "auto" else FixedPolicy(cfg.num_draft)
         stats = self.stats = SpecStats(prompt_tokens=len(prompt))
         mx.reset_peak_memory()
-        target_key, draft_key = mx.random.split(mx.random.key(cfg.seed))
-        window = sampling.repetition_context
-
-        def context(history: list[int], draft: mx.array):
-            return mx.concatenate([mx.array(history[-window:]), draft]) if sampling.penalized else None
+        self._target_key, draft_key = mx.random.split(mx.random.key(cfg.seed))
 
         # prefill and the first token
         t0 = time.perf_counter()
         self.cache = self.target.make_cache()
+        self._history = list(prompt)
         logits, hidden = self._prefill(prompt, cfg, want_hidden)
-        target_key, key = mx.random.split(target_key)
-        out = self._choose(logits, context(prompt, _EMPTY), Draft(_EMPTY, None), sampling, key)
+        out = self._choose(logits, self._context(sampling, _EMPTY), _NO_DRAFT, sampling, self._next_key())
         first = host.read(out)[1]
-        history = prompt + [first]
+        self._history.append(first)
         self._last, self._replay = first, []
         if drafter is not None:
-            drafter.begin(history, hidden[: len(prompt)] if want_hidden else None)
+            drafter.begin(list(self._history), hidden)
         stats.generated = 1
         stats.prompt_time = time.perf_counter() - t0
         yield Step([first], [], 0)
@@ -124,20 +145,27 @@ class Engine:
             return
 
         t_decode = time.perf_counter()
-        if drafter is None or cfg.num_draft == 0:
-            yield from self._plain(cfg, history, target_key, t_decode)
-            return
         while stats.generated < cfg.max_tokens:
-            t_cycle = time.perf_counter()
             remaining = cfg.max_tokens - stats.generated
-            k = min(cfg.num_draft, remaining - 1) if drafter is not None else 0
+            k = min(policy.next_k(), remaining - 1)
             limit = drafter.max_draft() if drafter is not None else None
-            if limit is not None:
-                k = min(k, limit)
-            profile = cfg.profile_every > 0 and stats.cycles % cfg.profile_every == 0
+            k = min(k, limit) if limit is not None else k
+            if k <= 0:
+                t = time.perf_counter()
+                n, stopped = 0, False
+                for step in self._plain(cfg, min(policy.plain_run(), remaining), want_hidden, t_decode):
+                    n += 1
+                    stopped = step.tokens[-1] in cfg.stop_tokens
+                    yield step
+                policy.observe(0, 0, time.perf_counter() - t, tokens=n)
+                if stopped:
+                    return
+                continue
 
+            t_cycle = time.perf_counter()
+            profile = cfg.profile_every > 0 and stats.cycles % cfg.profile_every == 0
             draft_key, dkey = mx.random.split(draft_key)
-            draft = drafter.propose(k, sampling, dkey) if k > 0 else Draft(_EMPTY, None, [])
+            draft = drafter.propose(k, sampling, dkey)
             k = draft.tokens.shape[0]
             host.start(draft.tokens)  # the device drafts while Python builds the verify graph
             if profile:
@@ -155,8 +183,7 @@ class Engine:
                 host.wait(logits)
                 stats.time_verify += time.perf_counter() - t
 
-            target_key, key = mx.random.split(target_key)
-            out = self._choose(logits, context(history, draft.tokens), draft, sampling, key)
+            out = self._choose(logits, self._context(sampling, draft.tokens), draft, sampling, self._next_key())
             packed = mx.concatenate([out, draft.tokens.astype(mx.int32)])  # drafts ride along for the trace
             t_sync = time.perf_counter()
             values = host.read(packed)  # the cycle's one host synchronisation
@@ -165,57 +192,60 @@ class Engine:
                 stats.time_sample += t_back - t_sync
                 stats.profiled_cycles += 1
             n = values[0]
-            emitted = values[1 : n + 2]
-            verdict = Verdict(k, n, emitted)
-            self._replay = self._commit(ckpt, verdict, hidden)
-            self._last = emitted[-1]
+            verdict = Verdict(k, n, values[1 : n + 2])
+            self._commit(ckpt, verdict, hidden)
 
-            emitted = emitted[:remaining]
-            for i, tok in enumerate(emitted):
-                if tok in cfg.stop_tokens:
-                    emitted = emitted[: i + 1]
-                    break
-            history += emitted
+            emitted, stopped = self._emit(verdict.tokens, cfg)
+            self._history += emitted
             n = min(n, len(emitted))
             stats.record_cycle(k, n, len(emitted))
             stats.time_host += (t_sync - t_cycle) + (time.perf_counter() - t_back)
             stats.decode_time = time.perf_counter() - t_decode
             stats.peak_memory = mx.get_peak_memory()
+            policy.observe(k, n, time.perf_counter() - t_cycle)
             yield Step(emitted, values[k + 2 :], n)
-            if emitted[-1] in cfg.stop_tokens:
+            if stopped:
                 return
 
-    def _plain(self, cfg: GenerationConfig, history: list[int], key: mx.array, t_decode: float) -> Iterator[Step]:
-        """Plain decoding, pipelined as in mlx-lm: step n+1 is built and started before token n is read.
+    def _next_key(self) -> mx.array:
+        self._target_key, key = mx.random.split(self._target_key)
+        return key
 
-        Still one host read per cycle. The cache ends one token ahead (the step after the last token).
-        """
-        sampling, stats = cfg.sampling, self.stats
+    def _plain(self, cfg: GenerationConfig, n_tokens: int, want_hidden: bool, t_decode: float) -> Iterator[Step]:
+        """Decode n_tokens plainly, pipelined as in mlx-lm: step i+1 is built and started before token i
+        is read. One host read per token; the drafter (if any) is kept in step with k = 0 commits."""
+        sampling, stats, drafter = cfg.sampling, self.stats, self.drafter
         width = sampling.repetition_context
 
-        def step(token: mx.array, window: mx.array, key: mx.array):
-            logits, _ = self.target.forward(token, self.cache)
-            window = mx.concatenate([window, token])[-width:]  # history up to and including `token`
+        def step(inputs: mx.array, window: mx.array):
+            logits, hidden = self.target.forward(inputs, self.cache, want_hidden)
+            window = mx.concatenate([window, inputs[-1:]])[-width:]  # history up to the newest input
             context = window if sampling.penalized else None
-            return self._choose(logits, context, Draft(_EMPTY, None), sampling, key)[1:2], window
+            out = self._choose(logits[-1:], context, _NO_DRAFT, sampling, self._next_key())
+            return out[1:2], window, (hidden[-1:] if want_hidden else None)
 
-        key, sub = mx.random.split(key)
-        token, window = step(mx.array(history[-1:]), mx.array(history[:-1][-width:]), sub)
+        inputs = mx.array(self._replay + [self._last], dtype=mx.int32)
+        self._replay = []
+        token, window, hidden = step(inputs, mx.array(self._history[:-1][-width:], dtype=mx.int32))
         host.start(token)
-        while stats.generated < cfg.max_tokens:
+        for i in range(n_tokens):
             t_cycle = time.perf_counter()
-            current = token
-            if stats.generated + 1 < cfg.max_tokens:
-                key, sub = mx.random.split(key)
-                token, window = step(current, window, sub)
+            current, current_hidden = token, hidden
+            if i + 1 < n_tokens:
+                token, window, hidden = step(current, window)
                 host.start(token)
             t_sync = time.perf_counter()
             tok = host.read(current)[0]  # the cycle's one host synchronisation
             t_back = time.perf_counter()
-            stats.record_cycle(0, 0, 1)
+            if drafter is not None:
+                drafter.commit(Verdict(0, 0, [tok]), current_hidden)
+            self._last = tok  # if a next step was built it has fed `tok`: the stretch ends after n_tokens
+            emitted, stopped = self._emit([tok], cfg)
+            self._history += emitted
+            stats.record_cycle(0, 0, len(emitted))
             stats.time_host += (t_sync - t_cycle) + (time.perf_counter() - t_back)
             stats.decode_time = time.perf_counter() - t_decode
             stats.peak_memory = mx.get_peak_memory()
-            yield Step([tok], [], 0)
-            if tok in cfg.stop_tokens:
+            yield Step(emitted, [], 0)
+            if stopped:
                 return
