@@ -55,8 +55,9 @@ class Step:
     n_accepted: int
 
 
-_EMPTY = mx.zeros((0,), dtype=mx.int32)
-_NO_DRAFT = Draft(_EMPTY, None, [])
+def _no_draft() -> Draft:
+    # made per call, not at import: a lazy MLX constant belongs to the stream of the thread that made it
+    return Draft(mx.zeros((0,), dtype=mx.int32), None, [])
 
 
 class Engine:
@@ -132,7 +133,7 @@ class Engine:
         self.cache = self.target.make_cache()
         self._history = list(prompt)
         logits, hidden = self._prefill(prompt, cfg, want_hidden)
-        out = self._choose(logits, self._context(sampling, _EMPTY), _NO_DRAFT, sampling, self._next_key())
+        out = self._choose(logits, self._context(sampling, _no_draft().tokens), _no_draft(), sampling, self._next_key())
         first = host.read(out)[1]
         self._history.append(first)
         self._last, self._replay = first, []
@@ -216,12 +217,13 @@ class Engine:
         is read. One host read per token; the drafter (if any) is kept in step with k = 0 commits."""
         sampling, stats, drafter = cfg.sampling, self.stats, self.drafter
         width = sampling.repetition_context
+        no_draft = _no_draft()
 
         def step(inputs: mx.array, window: mx.array):
             logits, hidden = self.target.forward(inputs, self.cache, want_hidden)
             window = mx.concatenate([window, inputs[-1:]])[-width:]  # history up to the newest input
             context = window if sampling.penalized else None
-            out = self._choose(logits[-1:], context, _NO_DRAFT, sampling, self._next_key())
+            out = self._choose(logits[-1:], context, no_draft, sampling, self._next_key())
             return out[1:2], window, (hidden[-1:] if want_hidden else None)
 
         inputs = mx.array(self._replay + [self._last], dtype=mx.int32)

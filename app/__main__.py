@@ -1,0 +1,74 @@
+"""`python -m app [--model M] [--drafter none|draft|ngram|mtp] [--draft-model P] [--num-draft K|auto] [--temp T]`
+
+Options given here override the saved settings for this run (settings.json in the config folder:
+$MLX_ENGINE_CONFIG_DIR, else $XDG_CONFIG_HOME/mlx-engine, else ~/.config/mlx-engine).
+"""
+
+import argparse
+
+import mlx_engine  # noqa: F401  (OpenBLAS before mlx)
+
+from .settings import DRAFTERS, Settings, settings_path
+
+
+def num_draft_arg(value: str):
+    if value == "auto":
+        return value
+    try:
+        k = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError("expected an integer >= 1 or 'auto'") from None
+    if not 1 <= k <= 16:
+        raise argparse.ArgumentTypeError("expected 1..16 or 'auto'")
+    return k
+
+
+def temp_arg(value: str) -> float:
+    try:
+        t = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError("expected a number >= 0") from None
+    if t < 0:
+        raise argparse.ArgumentTypeError("expected a number >= 0")
+    return t
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m app", description="mlx-engine chat: live draft acceptance and tok/s")
+    p.add_argument("--model", help="hub id, local folder or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--drafter", choices=DRAFTERS, help="how drafts are made (default: saved setting, else mtp, falling back to ngram)")
+    p.add_argument("--draft-model", help="the draft model for --drafter draft (same tokenizer as the target)")
+    p.add_argument("--num-draft", type=num_draft_arg, help="tokens drafted per cycle, or 'auto'")
+    p.add_argument("--temp", type=temp_arg, help="sampling temperature (0 = greedy)")
+    p.add_argument("--max-tokens", type=int, help="tokens per answer at most")
+    p.add_argument("--no-save", action="store_true", help="do not write settings.json")
+    return p
+
+
+def build_app(argv=None):
+    from .app import AppOptions, ChatApp
+
+    args = parser().parse_args(argv)
+    settings = Settings.load(settings_path())
+    if args.drafter is not None:
+        settings.drafter = args.drafter
+    if args.draft_model is not None:
+        settings.draft_model = args.draft_model
+        if args.drafter is None:
+            settings.drafter = "draft"
+    if args.num_draft is not None:
+        settings.num_draft = args.num_draft
+    if args.temp is not None:
+        settings.temperature = args.temp
+    if args.max_tokens is not None:
+        settings.max_tokens = max(1, args.max_tokens)
+    settings.__post_init__()
+    return ChatApp(settings, AppOptions(model=args.model, save_settings=not args.no_save))
+
+
+def main(argv=None) -> None:
+    build_app(argv).run()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,402 @@
+"""The engine worker: ONE long-lived thread that owns the model (load + generate).
+
+The UI sends it commands through a queue and reads nothing back directly: the worker posts messages
+(app/messages.py) to the app. High-rate updates are coalesced here (at most one progress message per
+`interval` seconds). Stopping sets a flag the worker checks between engine cycles; the draft length and
+speculation on/off are read between cycles too, so they change live.
+"""
+
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import mlx_engine  # noqa: F401  (OpenBLAS before mlx)
+import mlx.core as mx
+from mlx_engine import DraftModelDrafter, Engine, GenerationConfig, ModelLoadError, NgramDrafter, SamplingConfig
+from mlx_engine.cli import check_same_tokenizer
+from mlx_engine.models import load as load_model
+
+from .messages import (
+    GenerationFinished, GenerationProgress, GenerationStarted, ModelLoaded, ModelLoadFailed, ModelLoading,
+    Snapshot, TurnTiming,
+)
+
+
+
+class NoModel(Exception):
+    """No model could be chosen (no --model and no embedded default)."""
+
+
+def default_model() -> str:
+    """The embedded default model's path (mlx_engine.default_model), or NoModel with what to do."""
+    try:
+        from mlx_engine.default_model import default_model_path
+    except ModuleNotFoundError as e:
+        if e.name and e.name.startswith("mlx_engine.default_model"):
+            raise NoModel(
+                "No model given and the embedded default model (SmolLM2-135M-Instruct) is not available in "
+                "this build yet. Start with `python -m app --model PATH_OR_REPO` (a hub id, a local folder "
+                "or a .gguf file), or press ctrl+o to open one."
+            ) from None
+        raise NoModel(f"The embedded default model needs a package that is missing: {e}. Use --model.") from None
+    except ImportError as e:
+        raise NoModel(f"The embedded default model could not be imported: {e}. Use --model.") from None
+    try:
+        return str(default_model_path())
+    except Exception as e:  # a missing wheel, a broken file...
+        raise NoModel(f"The embedded default model is not available: {e}. Use --model.") from None
+
+
+class LivePolicy:
+    """The draft-length policy the engine asks each cycle (engines with `Engine.policy`), driven live by
+    the UI: speculation off = plain decoding in short stretches (so turning it back on takes effect
+    quickly), a fixed k, or "auto" = the engine's adaptive policy, which keeps learning either way."""
+
+    PLAIN_STRETCH = 16
+
+    def __init__(self, worker: "EngineWorker", inner=None):
+        self.worker = worker
+        self.inner = inner  # the engine's AdaptivePolicy (or None)
+        self.last_k = 0  # k chosen for the cycle that produced the latest step
+
+    def next_k(self) -> int:
+        k = self.worker._live_k(self.inner)
+        self.last_k = k
+        return k
+
+    def plain_run(self) -> int:
+        if self.inner is not None and self.worker._live_mode() == "auto":
+            return min(self.inner.plain_run(), 64)
+        return self.PLAIN_STRETCH
+
+    def observe(self, k: int, n_accepted: int, seconds: float, tokens: int = 1) -> None:
+        if self.inner is not None:
+            try:
+                self.inner.observe(k, n_accepted, seconds, tokens=tokens)
+            except Exception:
+                pass
+
+
+def model_name(path_or_repo: str) -> str:
+    p = Path(path_or_repo)
+    return p.name or path_or_repo
+
+
+@dataclass
+class LoadRequest:
+    model: str | None  # None = the embedded default
+    drafter: str = "ngram"
+    draft_model: str | None = None
+
+
+@dataclass
+class GenerateRequest:
+    turn: int
+    messages: list[dict]
+    temperature: float
+    max_tokens: int
+
+
+def decode(tokenizer, ids: list[int]) -> str:
+    """Text of token ids without special tokens (chat markers are not shown)."""
+    try:
+        return tokenizer.decode(ids, skip_special_tokens=True)
+    except TypeError:
+        return tokenizer.decode(ids)
+
+
+class PieceDecoder:
+    """Token ids -> text pieces, one per token (held back while a multi-byte character is incomplete).
+
+    Each token is decoded with a few tokens of left context so that leading spaces come out right for
+    both SentencePiece and byte-level BPE tokenizers.
+    """
+
+    def __init__(self, tokenizer, context: int = 4):
+        self.tokenizer = tokenizer
+        self.context = context
+        self.done: list[int] = []
+        self.pending: list[tuple[int, bool]] = []
+
+    def _decode(self, ids: list[int]) -> str:
+        return decode(self.tokenizer, ids) if ids else ""
+
+    def add(self, token: int, from_draft: bool) -> tuple[str, bool] | None:
+        self.pending.append((token, from_draft))
+        ctx = self.done[-self.context :]
+        ids = [t for t, _ in self.pending]
+        prefix = self._decode(ctx)
+        full = self._decode(ctx + ids)
+        if full.endswith("\ufffd") and len(self.pending) < 6:
+            return None  # an incomplete UTF-8 sequence: wait for the next token
+        text = full[len(prefix) :] if full.startswith(prefix) else self._decode(ids)
+        draft = all(d for _, d in self.pending)
+        self.done += ids
+        self.pending = []
+        return (text, draft) if text else None
+
+    def flush(self) -> tuple[str, bool] | None:
+        if not self.pending:
+            return None
+        ids = [t for t, _ in self.pending]
+        draft = all(d for _, d in self.pending)
+        self.done += ids
+        self.pending = []
+        text = self._decode(ids)
+        return (text, draft) if text else None
+
+
+def encode_chat(tokenizer, messages: list[dict]) -> list[int]:
+    """The conversation through the tokenizer's chat template (plain text when it has none)."""
+    if getattr(tokenizer, "chat_template", None):
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        if isinstance(ids, dict):  # some tokenizers return a BatchEncoding
+            ids = ids["input_ids"]
+        return list(ids)
+    text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
+    return list(tokenizer.encode(text))
+
+
+class EngineWorker:
+    """Owns the model in one thread. `post` delivers messages to the UI (App.post_message)."""
+
+    def __init__(self, post: Callable, interval: float = 0.1, profile_every: int = 8):
+        self.post = post
+        self.interval = interval
+        self.profile_every = profile_every
+        self._queue: queue.Queue = queue.Queue()
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._num_draft: int | str = 4
+        self._speculation = True
+        self.loaded = None
+        self.engine: Engine | None = None
+        self.drafter = None
+        self.busy = False  # a generation is running
+        self._thread = threading.Thread(target=self._run, name="engine-worker", daemon=True)
+
+    # -- called from the UI thread -------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def load(self, request: LoadRequest) -> None:
+        self._queue.put(("load", request))
+
+    def generate(self, request: GenerateRequest) -> None:
+        self._stop.clear()
+        self.busy = True
+        self._queue.put(("generate", request))
+
+    def stop(self) -> None:
+        """Ask the running generation to stop after the current cycle."""
+        self._stop.set()
+
+    def set_live(self, num_draft: int | str, speculation: bool) -> None:
+        with self._lock:
+            self._num_draft, self._speculation = num_draft, speculation
+
+    def shutdown(self, timeout: float = 2.0) -> None:
+        self._stop.set()
+        self._queue.put(("quit", None))
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+
+    # -- the worker thread ---------------------------------------------------------------------------
+    def _run(self) -> None:
+        # MLX streams are per thread: this thread gets its own on the default device and keeps it.
+        mx.set_default_stream(mx.new_stream(mx.default_device()))
+        while True:
+            cmd, arg = self._queue.get()
+            if cmd == "quit":
+                return
+            try:
+                if cmd == "load":
+                    self._load(arg)
+                elif cmd == "generate":
+                    self._generate(arg)
+            except Exception as e:  # never let the thread die; the UI shows the error
+                error = f"internal error: {type(e).__name__}: {e}"
+                if cmd == "generate":
+                    self.post(GenerationFinished(arg.turn, "", "error", Snapshot(), error))
+                else:
+                    self.post(ModelLoadFailed(error))
+            finally:
+                if cmd == "generate":
+                    self.busy = False
+
+    def _load(self, req: LoadRequest) -> None:
+        total = 3 if req.drafter == "none" else 4
+        try:
+            self.post(ModelLoading("Choosing the model", 0, total))
+            path = req.model if req.model else default_model()
+            self.post(ModelLoading(f"Loading {path}", 1, total))
+            loaded = load_model(path)
+        except NoModel as e:
+            self.post(ModelLoadFailed(str(e)))
+            return
+        except ModelLoadError as e:
+            self.post(ModelLoadFailed(str(e)))
+            return
+        except Exception as e:  # anything the loaders let through: shown, never a traceback
+            self.post(ModelLoadFailed(f"could not load {req.model or 'the default model'}: {type(e).__name__}: {e}"))
+            return
+        engine = Engine(loaded.model)
+        warning = None
+        drafter = None
+        if req.drafter != "none":
+            self.post(ModelLoading(f"Setting up the {req.drafter} drafter", 2, total))
+            try:
+                drafter = self._make_drafter(req, loaded, engine)
+            except Exception as e:  # e.g. a model without MTP heads: fall back to prompt lookup
+                warning = f"drafter '{req.drafter}' unavailable, using ngram (prompt lookup) instead: {e}"
+                drafter = NgramDrafter()
+        self.post(ModelLoading("Warming up", total - 1, total))
+        try:
+            tokens = encode_chat(loaded.tokenizer, [{"role": "user", "content": "hi"}])[:8] or [0]
+            for _ in engine.generate(tokens, GenerationConfig(max_tokens=2, num_draft=0)):
+                pass
+        except Exception as e:
+            self.post(ModelLoadFailed(f"the model loaded but could not run: {type(e).__name__}: {e}"))
+            return
+        engine.drafter = drafter
+        self.loaded, self.engine, self.drafter = loaded, engine, drafter
+        info = f"{loaded.config.get('model_type', '?')}, vocab {engine.target.vocab_size}"
+        name = model_name(str(path))
+        self.post(ModelLoaded(name, drafter.name if drafter is not None else "none", info, warning))
+
+    def _make_drafter(self, req: LoadRequest, loaded, engine: Engine):
+        if req.drafter == "ngram":
+            return NgramDrafter()
+        if req.drafter == "draft":
+            if not req.draft_model:
+                raise ValueError("--drafter draft needs --draft-model PATH")
+            draft = load_model(req.draft_model)
+            check_same_tokenizer(loaded.tokenizer, draft.tokenizer, req.draft_model)
+            return DraftModelDrafter(draft.model, engine.target.vocab_size)
+        if req.drafter == "mtp":
+            try:
+                from mlx_engine.drafters.mtp import load_mtp_drafter
+            except ImportError as e:
+                raise ValueError(f"the MTP drafter is not available in this build ({e})") from None
+            return load_mtp_drafter(loaded.model, loaded.path, loaded.config)
+        raise ValueError(f"unknown drafter {req.drafter!r}")
+
+    def _live_mode(self) -> str:
+        with self._lock:
+            num_draft, on = self._num_draft, self._speculation
+        if not on or self.engine is None or self.engine.drafter is None:
+            return "off"
+        return "auto" if num_draft == "auto" else "fixed"
+
+    def _live_k(self, policy) -> int:
+        with self._lock:
+            num_draft, on = self._num_draft, self._speculation
+        if not on or self.engine is None or self.engine.drafter is None:
+            return 0
+        if num_draft == "auto":
+            return max(0, int(policy.next_k()))
+        return int(num_draft)
+
+    def _generate(self, req: GenerateRequest) -> None:
+        engine, loaded = self.engine, self.loaded
+        empty = Snapshot()
+        if engine is None:
+            self.post(GenerationFinished(req.turn, "", "error", empty, "no model is loaded"))
+            return
+        tokenizer = loaded.tokenizer
+        try:
+            prompt = encode_chat(tokenizer, req.messages)
+        except Exception as e:
+            self.post(GenerationFinished(req.turn, "", "error", empty, f"chat template failed: {e}"))
+            return
+        eos = frozenset(getattr(tokenizer, "eos_token_ids", None) or [])
+        seed = 0 if req.temperature == 0 else time.time_ns() % (2**31)
+        # the engine asks LivePolicy for k every cycle, so speculation on/off and k change live
+        if not isinstance(engine.policy, LivePolicy):
+            engine.policy = LivePolicy(self, engine.policy)
+        live = engine.policy
+        cfg = GenerationConfig(
+            max_tokens=req.max_tokens, num_draft="auto",
+            seed=seed, stop_tokens=eos, sampling=SamplingConfig(temperature=req.temperature),
+            profile_every=self.profile_every,
+        )
+        self.post(GenerationStarted(req.turn, len(prompt)))
+        decoder = PieceDecoder(tokenizer)
+        pieces: list[tuple[str, bool]] = []
+        out_tokens: list[int] = []
+        timing = TurnTiming()
+        last_post = time.perf_counter()
+        last_post_tokens = 0
+        last_post_time = 0.0
+        last_draft = 0
+        reason = "max_tokens"
+        error = None
+
+        def snapshot() -> Snapshot:
+            nonlocal last_post_tokens, last_post_time
+            decoded = timing.plain_tokens + timing.spec_tokens
+            spent = timing.plain_time + timing.spec_time
+            dt = spent - last_post_time
+            tps = (decoded - last_post_tokens) / dt if dt > 0 else 0.0
+            last_post_tokens, last_post_time = decoded, spent
+            return Snapshot(
+                stats=engine.stats.to_dict(), k=current_k(), last_draft=last_draft, interval_tps=tps,
+                timing=TurnTiming(**vars(timing)), reprefill=len(prompt),
+            )
+
+        def current_k() -> int:
+            return live.last_k
+
+        gen = engine.generate(prompt, cfg)
+        first = True
+        try:
+            while True:
+                if self._stop.is_set():
+                    reason = "stopped"
+                    break
+                t0 = time.perf_counter()
+                try:
+                    step = next(gen)
+                except StopIteration:
+                    if out_tokens and out_tokens[-1] in eos:
+                        reason = "eos"
+                    break
+                dt = time.perf_counter() - t0
+                k = current_k()
+                if not first:  # decode cycles only: the first step is the prefill
+                    if k > 0:
+                        timing.spec_tokens += len(step.tokens)
+                        timing.spec_time += dt
+                    else:
+                        timing.plain_tokens += len(step.tokens)
+                        timing.plain_time += dt
+                first = False
+                last_draft = len(step.draft)
+                for i, tok in enumerate(step.tokens):
+                    out_tokens.append(tok)
+                    if tok in eos:
+                        continue
+                    piece = decoder.add(tok, i < step.n_accepted)
+                    if piece:
+                        pieces.append(piece)
+                now = time.perf_counter()
+                if now - last_post >= self.interval:
+                    self.post(GenerationProgress(req.turn, pieces, snapshot()))
+                    pieces = []
+                    last_post = now
+        except Exception as e:
+            reason, error = "error", f"{type(e).__name__}: {e}"
+        finally:
+            gen.close()
+        piece = decoder.flush()
+        if piece:
+            pieces.append(piece)
+        if out_tokens and out_tokens[-1] in eos and reason == "max_tokens":
+            reason = "eos"
+        if pieces:
+            self.post(GenerationProgress(req.turn, pieces, snapshot()))
+        text = decode(tokenizer, [t for t in out_tokens if t not in eos])
+        self.post(GenerationFinished(req.turn, text, reason, snapshot(), error))

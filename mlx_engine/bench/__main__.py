@@ -1,0 +1,18 @@
+import sys
+
+from .. import _platform  # noqa: F401  (OpenBLAS before mlx)
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["verify"]:
+        from ..bench_verify import main as verify_main
+
+        return verify_main(argv[1:])
+    from .suite import main as suite_main
+
+    return suite_main(argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,218 @@
+"""`python -m mlx_engine.bench`: every mode on one model, in one process and one run.
+
+Modes: plain decoding through mlx-lm, plain through the engine, mlx-lm's speculative_generate_step with
+a draft model, and the engine with each drafter at fixed k and auto, at each temperature. Each trial runs
+every mode over the same prompts (modes interleaved, so drift hits all alike); the first trial is a
+warm-up. Reported: median decode tok/s over trials, speedup over mlx-lm plain at the same temperature,
+acceptance, E (tokens per verify), C (seconds per cycle in units of one engine-plain token), S = E / C,
+acceptance per draft position, peak memory.
+"""
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+
+from .. import _platform
+from ..drafters.draft_model import DraftModelDrafter
+from ..drafters.ngram import NgramDrafter
+from ..engine import Engine
+from ..models import load
+from .chart import speedup_chart
+from .modes import Mode, Result, run_engine, run_mlx_lm
+
+PROMPTS = Path(__file__).resolve().parents[2] / "bench" / "prompts"
+
+
+def truncated_copy(model, n_layers: int):
+    """The target's first n layers with its own norm and output head: a draft sharing its tokenizer."""
+    from mlx_lm.utils import _get_classes
+
+    args = model.args
+    cfg = {**vars(args), "num_hidden_layers": n_layers}
+    model_cls, args_cls = _get_classes(cfg)
+    draft = model_cls(args_cls.from_dict(cfg))
+    from mlx.utils import tree_flatten
+
+    weights = [(k, v) for k, v in tree_flatten(model.parameters())
+               if not k.startswith("model.layers.") or int(k.split(".")[2]) < n_layers]
+    draft.load_weights(weights)
+    mx.eval(draft.parameters())
+    return draft
+
+
+def load_prompts(suite: str, n: int, tokenizer) -> list[list[int]]:
+    path = PROMPTS / f"{suite}.jsonl"
+    if not path.exists():
+        raise SystemExit(f"error: no prompt suite {path}")
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()][:n]
+    return [list(tokenizer.apply_chat_template(r["messages"], add_generation_prompt=True)) for r in rows]
+
+
+def build_modes(args, model, draft_model, mtp, random_mtp) -> list[Mode]:
+    ks = [int(k) for k in args.ks.split(",") if k]
+    modes = [Mode("mlx-lm plain", lambda p, n, t, s: run_mlx_lm(model, p, n, t, s), "mlx-lm")]
+    for k in ks:
+        modes.append(Mode(f"mlx-lm draft k={k}", lambda p, n, t, s, k=k: run_mlx_lm(model, p, n, t, s, draft_model, k), "mlx-lm"))
+
+    def engine_mode(name, drafter, k):
+        engine = Engine(model, drafter)
+        return Mode(name, lambda p, n, t, s: run_engine(engine, p, n, t, s, k), "engine")
+
+    modes.append(engine_mode("engine plain", None, 0))
+    drafters = {"draft": lambda: DraftModelDrafter(draft_model, model.args.vocab_size), "ngram": NgramDrafter}
+    if mtp is not None:
+        drafters["mtp"] = mtp
+    for name, make in drafters.items():
+        for k in ks:
+            modes.append(engine_mode(f"engine {name} k={k}", make(), k))
+        modes.append(engine_mode(f"engine {name} auto", make(), "auto"))
+    if random_mtp is not None:
+        modes.append(engine_mode("engine mtp-random auto", random_mtp(), "auto"))
+    wanted = [m.strip() for m in args.modes.split(",")] if args.modes else None
+    return [m for m in modes if not wanted or any(w in m.name for w in wanted)]
+
+
+def summarise(results: list[Result]) -> dict:
+    tokens = sum(r.tokens for r in results)
+    seconds = sum(r.seconds for r in results)
+    cycles = sum(r.cycles for r in results)
+    drafted, accepted = sum(r.drafted for r in results), sum(r.accepted for r in results)
+    width = max([len(r.drafted_at) for r in results] + [0])
+    d_at = [sum(r.drafted_at[i] for r in results if i < len(r.drafted_at)) for i in range(width)]
+    a_at = [sum(r.accepted_at[i] for r in results if i < len(r.accepted_at)) for i in range(width)]
+    return {
+        "tok_s": tokens / seconds if seconds else 0.0,
+        "tokens": tokens,
+        "seconds_per_cycle": seconds / cycles if cycles else 0.0,
+        "E": tokens / cycles if cycles else 0.0,
+        "acceptance": accepted / drafted if drafted else None,
+        "acceptance_per_position": [a / d if d else 0.0 for a, d in zip(a_at, d_at)],
+        "peak_memory_mb": max(r.peak_memory for r in results) / 2**20,
+    }
+
+
+def machine() -> dict:
+    import importlib.metadata as md
+
+    def version(p):
+        try:
+            return md.version(p)
+        except md.PackageNotFoundError:
+            return None
+
+    return {
+        "platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+        "python": platform.python_version(), "mlx": version("mlx"), "mlx-lm": version("mlx-lm"),
+        "device": str(mx.default_device()), "openblas": _platform.OPENBLAS,
+        "cpu_count": __import__("os").cpu_count(),
+    }
+
+
+def print_table(rows: list[dict]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="decode speed (median over trials)")
+    for col in ("mode", "temp", "tok/s", "vs mlx-lm", "accept", "E", "C", "S", "per position", "peak MB"):
+        table.add_column(col, justify="left" if col in ("mode", "per position") else "right")
+    for r in rows:
+        acc = "-" if r["acceptance"] is None else f"{r['acceptance']:.2f}"
+        per = " ".join(f"{a:.2f}" for a in r["acceptance_per_position"][:6])
+        table.add_row(r["mode"], f"{r['temp']:g}", f"{r['tok_s']:.2f}", f"{r['speedup_vs_mlx_lm_plain']:.2f}x", acc,
+                      f"{r['E']:.2f}", f"{r['C']:.2f}", f"{r['S']:.2f}", per, f"{r['peak_memory_mb']:.0f}")
+    Console(width=170).print(table)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m mlx_engine.bench", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", help="model (default: the embedded SmolLM2-135M-Instruct, fp32)")
+    ap.add_argument("--draft-model", default="layers:6",
+                    help="draft model for mlx-lm and --drafter draft: a path, or layers:N = the target's first N layers (default layers:6)")
+    ap.add_argument("--mtp-weights", help="MTP head file (default: found next to the model)")
+    ap.add_argument("--random-head", action="store_true", help="also run auto with a randomly initialised MTP head")
+    ap.add_argument("--suite", default="chat", help="prompt suite in bench/prompts (chat, code, long)")
+    ap.add_argument("--prompts", type=int, default=8, help="prompts from the suite (default 8)")
+    ap.add_argument("--max-tokens", type=int, default=64, help="tokens per generation (default 64)")
+    ap.add_argument("--trials", type=int, default=3, help="timed trials, after one warm-up (default 3)")
+    ap.add_argument("--temps", default="0,0.7", help="temperatures (default 0,0.7)")
+    ap.add_argument("--ks", default="1,2,3", help="fixed draft lengths (default 1,2,3)")
+    ap.add_argument("--modes", default="", help="only modes whose names contain one of these (comma-separated)")
+    ap.add_argument("--out", default="bench/results/latest.json", help="JSON results file")
+    ap.add_argument("--chart", default=None, help="PNG chart (default: next to --out)")
+    args = ap.parse_args(argv)
+
+    from rich.progress import Progress
+
+    if args.model:
+        loaded = load(args.model)
+    else:
+        from ..default_model import default_model_path
+
+        loaded = load(str(default_model_path()))
+    model, tok = loaded.model, loaded.tokenizer
+    draft_model = (truncated_copy(model, int(args.draft_model.split(":")[1])) if args.draft_model.startswith("layers:")
+                   else load(args.draft_model).model)
+    mtp = random_mtp = None
+    try:
+        from ..drafters.mtp import load_mtp_drafter
+
+        load_mtp_drafter(model, loaded.path, loaded.config, mtp_weights=args.mtp_weights)
+        mtp = lambda: load_mtp_drafter(model, loaded.path, loaded.config, mtp_weights=args.mtp_weights)  # noqa: E731
+        if args.random_head:
+            from ..drafters.mtp import random_head_drafter
+
+            random_mtp = lambda: random_head_drafter(mtp())  # noqa: E731
+    except (ImportError, ValueError) as e:
+        print(f"note: no MTP modes ({e})", file=sys.stderr)
+
+    prompts = load_prompts(args.suite, args.prompts, tok)
+    modes = build_modes(args, model, draft_model, mtp, random_mtp)
+    temps = [float(t) for t in args.temps.split(",")]
+    results = {(m.name, t): [] for m in modes for t in temps}
+    total = (args.trials + 1) * len(modes) * len(temps) * len(prompts)
+    with Progress() as progress:
+        task = progress.add_task("bench", total=total)
+        for trial in range(args.trials + 1):
+            for temp in temps:
+                for mode in modes:
+                    progress.update(task, description=f"trial {trial} {mode.name} t={temp:g}")
+                    runs = [mode.run(p, args.max_tokens, temp, 1000 * trial + i) for i, p in enumerate(prompts)]
+                    progress.advance(task, len(prompts))
+                    if trial > 0:
+                        results[(mode.name, temp)].append(runs)
+
+    rows = []
+    for temp in temps:
+        per_mode = {}
+        for mode in modes:
+            trials = [summarise(runs) for runs in results[(mode.name, temp)]]
+            med = statistics.median(t["tok_s"] for t in trials)
+            best = min(trials, key=lambda t: abs(t["tok_s"] - med))
+            per_mode[mode.name] = {**best, "tok_s": med, "tok_s_trials": [t["tok_s"] for t in trials]}
+        base = per_mode["mlx-lm plain"]["tok_s"]
+        plain_step = 1.0 / per_mode["engine plain"]["tok_s"] if "engine plain" in per_mode else None
+        for name, r in per_mode.items():
+            c = r["seconds_per_cycle"] / plain_step if plain_step and r["seconds_per_cycle"] else 0.0
+            rows.append({"mode": name, "temp": temp, **r, "speedup_vs_mlx_lm_plain": r["tok_s"] / base,
+                         "C": c, "S": r["E"] / c if c else 0.0})
+    print_table(rows)
+
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    report = {"command": "python -m mlx_engine.bench " + " ".join(argv if argv is not None else sys.argv[1:]),
+              "date": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": machine(), "model": str(loaded.path),
+              "args": vars(args), "prompts": len(prompts), "results": rows}
+    out.write_text(json.dumps(report, indent=1))
+    chart = Path(args.chart) if args.chart else out.with_suffix(".png")
+    names = [m.name for m in modes]
+    series = {f"temp {t:g}": [next(r["speedup_vs_mlx_lm_plain"] for r in rows if r["mode"] == n and r["temp"] == t)
+                              for n in names] for t in temps}
+    speedup_chart(chart, names, series, f"speedup over mlx-lm plain, {args.suite} suite")
+    print(f"wrote {out} and {chart}", file=sys.stderr)
+    return 0
