@@ -62,7 +62,7 @@ class Snapshot:
     last_draft: int = 0  # tokens actually drafted in the latest cycle
     interval_tps: float = 0.0  # decode tok/s since the previous snapshot (the sparkline)
     timing: TurnTiming = field(default_factory=TurnTiming)
-    reprefill: int = 0  # prompt tokens prefilled this turn (the whole conversation: no cache reuse)
+    reprefill: int = 0  # prompt tokens prefilled this turn (the rest of the conversation came from the cache)
 
 
 class GenerationStarted(Message):

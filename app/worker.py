@@ -344,7 +344,7 @@ class EngineWorker:
             last_post_tokens, last_post_time = decoded, spent
             return Snapshot(
                 stats=engine.stats.to_dict(), k=current_k(), last_draft=last_draft, interval_tps=tps,
-                timing=TurnTiming(**vars(timing)), reprefill=len(prompt),
+                timing=TurnTiming(**vars(timing)), reprefill=len(prompt) - engine.stats.reused_tokens,
             )
 
         def current_k() -> int:

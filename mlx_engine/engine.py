@@ -8,6 +8,8 @@ tokens is decoded plainly, pipelined as in mlx-lm, with the drafter kept in step
 
 State between cycles: the target cache holds every committed token except `_last` (sampled, not yet
 fed) and `_replay` (kept tokens a non-trimmable cache must be fed again, folded into the next pass).
+`_cached` lists exactly the tokens the cache holds, so the next generation reuses the longest common
+prefix (a chat's earlier turns) instead of prefilling it again.
 """
 
 import time
@@ -35,6 +37,7 @@ class GenerationConfig:
     seed: int = 0
     stop_tokens: frozenset[int] = frozenset()
     prefill_step: int = 2048
+    reuse_cache: bool = True  # keep the target cache of the common prefix with the previous generation
     profile_every: int = 0  # every n-th cycle synchronise at phase boundaries to time them (0 = never)
 
     def __post_init__(self):
@@ -67,16 +70,27 @@ class Engine:
         self.policy = AdaptivePolicy(max_k=max_draft)  # kept across generations: what it learnt carries over
         self.stats = SpecStats()
         self.cache: list = []
+        self._cached: list[int] = []  # the tokens the cache holds, in order
+        self._cached_hidden: list[mx.array] = []  # their hidden states (when the drafter needs them)
 
     # -- the one place where cache bookkeeping happens -------------------------------------------
     def _commit(self, ckpt, verdict: Verdict, hidden) -> None:
-        """Roll the target back to the kept inputs [replay, last, d_1..d_n]; advance the drafter."""
+        """Roll the target back to the kept inputs [replay, last, d_1..d_n]; advance the drafter.
+        `hidden`: rows of the whole pass (replay rows first), or None."""
         kept = self._replay + [self._last] + verdict.tokens[: verdict.n_accepted]
         replay = cache_ops.rollback(self.cache, ckpt, len(kept)) if ckpt is not None else 0
+        self._fed(kept[: len(kept) - replay], hidden)
         self._replay = kept[len(kept) - replay :] if replay else []
         self._last = verdict.tokens[verdict.n_accepted]
         if self.drafter is not None:
-            self.drafter.commit(verdict, hidden)
+            k = verdict.n_drafted
+            self.drafter.commit(verdict, hidden[-(k + 1) :] if hidden is not None else None)
+
+    def _fed(self, tokens: list[int], hidden) -> None:
+        """Record tokens now held by the cache (and their hidden rows, the first len(tokens) of `hidden`)."""
+        self._cached += tokens
+        if hidden is not None and tokens:
+            self._cached_hidden.append(hidden[: len(tokens)])
 
     def _choose(self, logits, context, draft: Draft, cfg: SamplingConfig, key) -> mx.array:
         logits = process_logits(logits, context, cfg)
@@ -90,17 +104,47 @@ class Engine:
             return None
         return mx.concatenate([mx.array(self._history[-cfg.repetition_context :]), draft])
 
+    def _reusable_prefix(self, prompt: list[int], want_hidden: bool) -> int:
+        """Tokens of `prompt` the current cache already holds and can keep (0 = start afresh)."""
+        if not self.cache or (want_hidden and len(self._cached_hidden) == 0 and self._cached):
+            return 0
+        m = 0
+        for a, b in zip(prompt[:-1], self._cached):  # the last prompt token is always fed: it gives logits
+            if a != b:
+                break
+            m += 1
+        drop = len(self._cached) - m
+        if m == 0 or (drop and not all(c.is_trimmable() for c in self.cache)):
+            return 0
+        for c in self.cache:
+            if drop:
+                c.trim(drop)
+        self._cached = self._cached[:m]
+        if self._cached_hidden:
+            h = mx.concatenate(self._cached_hidden)[:m]
+            self._cached_hidden = [h]
+        return m
+
     def _prefill(self, prompt: list[int], cfg: GenerationConfig, want_hidden: bool):
-        """Feed prompt[:-1] in chunks, then the last prompt token alone (as mlx-lm does)."""
-        hidden = []
-        body = prompt[:-1]
+        """Feed prompt[:-1] in chunks, then the last prompt token alone (as mlx-lm does), reusing the
+        cache of a common prefix with the previous generation. Returns (logits, hidden of the prompt)."""
+        reused = self._reusable_prefix(prompt, want_hidden) if cfg.reuse_cache else 0
+        if reused == 0:
+            self.cache = self.target.make_cache()
+            self._cached, self._cached_hidden = [], []
+        self.stats.reused_tokens = reused
+        hidden = list(self._cached_hidden) if want_hidden else []
+        body = prompt[reused:-1]
         for i in range(0, len(body), cfg.prefill_step):
             _, h = self.target.forward(mx.array(body[i : i + cfg.prefill_step]), self.cache, want_hidden)
             host.wait([c.state for c in self.cache] + ([h] if want_hidden else []))
             hidden.append(h)
         logits, h = self.target.forward(mx.array(prompt[-1:]), self.cache, want_hidden)
         hidden.append(h)
-        return logits, (mx.concatenate(hidden) if want_hidden else None)
+        hidden = mx.concatenate(hidden) if want_hidden else None
+        self._cached = list(prompt)
+        self._cached_hidden = [hidden] if want_hidden else []
+        return logits, hidden
 
     def _emit(self, tokens: list[int], cfg: GenerationConfig) -> tuple[list[int], bool]:
         """Cut emitted tokens at max_tokens and after a stop token; record them."""
@@ -130,7 +174,6 @@ class Engine:
 
         # prefill and the first token
         t0 = time.perf_counter()
-        self.cache = self.target.make_cache()
         self._history = list(prompt)
         logits, hidden = self._prefill(prompt, cfg, want_hidden)
         out = self._choose(logits, self._context(sampling, _no_draft().tokens), _no_draft(), sampling, self._next_key())
@@ -178,7 +221,6 @@ class Engine:
             ckpt = cache_ops.checkpoint(self.cache, inputs.shape[0])
             logits, hidden = self.target.forward(inputs, self.cache, want_hidden)
             logits = logits[-(k + 1) :]
-            hidden = hidden[-(k + 1) :] if want_hidden else None
             if profile:
                 t = time.perf_counter()
                 host.wait(logits)
@@ -220,15 +262,16 @@ class Engine:
         no_draft = _no_draft()
 
         def step(inputs: mx.array, window: mx.array):
+            """Feed inputs; -> (next token [1], penalty window, hidden rows of the inputs or None)."""
             logits, hidden = self.target.forward(inputs, self.cache, want_hidden)
             window = mx.concatenate([window, inputs[-1:]])[-width:]  # history up to the newest input
             context = window if sampling.penalized else None
-            out = self._choose(logits[-1:], context, no_draft, sampling, self._next_key())
-            return out[1:2], window, (hidden[-1:] if want_hidden else None)
+            return self._choose(logits[-1:], context, no_draft, sampling, self._next_key())[1:2], window, hidden
 
-        inputs = mx.array(self._replay + [self._last], dtype=mx.int32)
+        first = self._replay + [self._last]
         self._replay = []
-        token, window, hidden = step(inputs, mx.array(self._history[:-1][-width:], dtype=mx.int32))
+        token, window, hidden = step(mx.array(first, dtype=mx.int32), mx.array(self._history[:-1][-width:], dtype=mx.int32))
+        self._fed(first, hidden)
         host.start(token)
         for i in range(n_tokens):
             t_cycle = time.perf_counter()
@@ -240,8 +283,10 @@ class Engine:
             tok = host.read(current)[0]  # the cycle's one host synchronisation
             t_back = time.perf_counter()
             if drafter is not None:
-                drafter.commit(Verdict(0, 0, [tok]), current_hidden)
-            self._last = tok  # if a next step was built it has fed `tok`: the stretch ends after n_tokens
+                drafter.commit(Verdict(0, 0, [tok]), current_hidden[-1:] if want_hidden else None)
+            if i + 1 < n_tokens:  # the step built above has fed `tok`
+                self._fed([tok], hidden)
+            self._last = tok
             emitted, stopped = self._emit([tok], cfg)
             self._history += emitted
             stats.record_cycle(0, 0, len(emitted))

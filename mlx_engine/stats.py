@@ -6,6 +6,7 @@ from dataclasses import asdict, dataclass, field
 @dataclass
 class SpecStats:
     prompt_tokens: int = 0
+    reused_tokens: int = 0  # prompt tokens whose cache was kept from the previous generation
     generated: int = 0  # tokens emitted, the first (prefill) token included
     cycles: int = 0  # verify passes after the first token
     drafted: int = 0
