@@ -55,7 +55,8 @@ class SpecStats:
 
     @property
     def prompt_tps(self) -> float:
-        return self.prompt_tokens / self.prompt_time if self.prompt_time > 0 else 0.0
+        prefilled = self.prompt_tokens - self.reused_tokens
+        return prefilled / self.prompt_time if self.prompt_time > 0 else 0.0
 
     def to_dict(self) -> dict:
         d = asdict(self)
