@@ -1,0 +1,39 @@
+"""Helpers for running the repo's Metal kernel bodies under the CPU emulator (metal_kernels/emu)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+
+# the repo root first: a stale editable install may map metal_kernels to an empty namespace package
+_ROOT = str(Path(__file__).resolve().parents[1])
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
+
+from metal_kernels import source  # noqa: E402
+from metal_kernels.emu import EmuKernel  # noqa: E402
+
+
+def emu_kernel(module, os_threads: bool = False, dialect: str = "metal") -> EmuKernel:
+    """The emulated twin of the `mx.fast.metal_kernel` (dialect "metal") or `mx.fast.cuda_kernel`
+    (dialect "cuda") that a kernel module in mlx_engine/kernels builds."""
+    return EmuKernel(
+        f"mlx_engine_{module.NAME}" + ("_cu" if dialect == "cuda" else ""),
+        list(module.INPUT_NAMES),
+        list(module.OUTPUT_NAMES),
+        source(module.NAME, dialect),
+        os_threads=os_threads,
+        dialect=dialect,
+    )
+
+
+def run(kernel: EmuKernel, launch, schedule: str = "forward", seed: int = 0) -> list[np.ndarray]:
+    """Replay a `Launch` (the exact kwargs the MLX wrapper would pass) on the emulator."""
+    return kernel(**launch.kwargs(), schedule=schedule, seed=seed)
+
+
+def compile_call(launch) -> dict:
+    kw = launch.kwargs()
+    return dict(inputs=kw["inputs"], output_dtypes=kw["output_dtypes"], template=kw["template"])
