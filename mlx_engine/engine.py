@@ -20,7 +20,8 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from . import cache as cache_ops
-from . import host
+from . import host, kernels
+from .kernels.acceptance import uniforms_from_key
 from .drafters.base import Draft, Drafter, Verdict
 from .policy import AdaptivePolicy, FixedPolicy
 from .sampling import SamplingConfig, probabilities, process_logits
@@ -67,7 +68,9 @@ class Engine:
     def __init__(self, model: nn.Module, drafter: Drafter | None = None, max_draft: int = 8):
         self.target = Target(model)
         self.drafter = drafter
-        self.policy = AdaptivePolicy(max_k=max_draft)  # kept across generations: what it learnt carries over
+        self.policy = AdaptivePolicy(max_k=max_draft)
+        # the fused acceptance kernel when a GPU backend is selected; on CPU verify.py's reference
+        self._fused_accept = kernels.get("acceptance") if kernels.backend("acceptance") != "reference" else None  # kept across generations: what it learnt carries over
         self.stats = SpecStats()
         self.cache: list = []
         self._cached: list[int] = []  # the tokens the cache holds, in order
@@ -93,10 +96,22 @@ class Engine:
             self._cached_hidden.append(hidden[: len(tokens)])
 
     def _choose(self, logits, context, draft: Draft, cfg: SamplingConfig, key) -> mx.array:
+        """[n_accepted, t_0..t_k] on device (see verify.py)."""
         logits = process_logits(logits, context, cfg)
+        target = logits if cfg.greedy else probabilities(logits, cfg)
+        if self._fused_accept is not None:
+            return self._fused(target, draft, cfg.greedy, key)
         if cfg.greedy:
-            return accept_greedy(logits, draft.tokens)
-        return accept_sampled(probabilities(logits, cfg), draft.tokens, draft.probs, key)
+            return accept_greedy(target, draft.tokens)
+        return accept_sampled(target, draft.tokens, draft.probs, key)
+
+    def _fused(self, target, draft: Draft, greedy: bool, key) -> mx.array:
+        """The fused acceptance kernel (GPU): (n, next) -> the same packed layout as verify.py."""
+        k = draft.tokens.shape[0]
+        uniforms, sample_uniform = uniforms_from_key(key, k)
+        n, nxt = self._fused_accept(target, draft.tokens, draft.probs, uniforms, sample_uniform, greedy)
+        drafts = mx.concatenate([draft.tokens.astype(mx.int32), mx.zeros((1,), mx.int32)])
+        return mx.concatenate([n.reshape(1), mx.where(mx.arange(k + 1) < n, drafts, nxt)]).astype(mx.int32)
 
     def _context(self, cfg: SamplingConfig, draft: mx.array):
         """Penalty history of each verified row: the last committed tokens, then the drafts."""

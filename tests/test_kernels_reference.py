@@ -427,3 +427,24 @@ def test_bench_verify_smoke(capsys):
     rows = [ln for ln in lines if len(ln) == 3 and ln[0] in ("1", "2", "3")]
     assert [r[0] for r in rows] == ["1", "2", "3"] and rows[0][2] == "1.00"
     assert "only the reference ops run" in out and "n/a" in out
+
+
+def test_engine_with_the_fused_acceptance_path_equals_plain():
+    """The engine's fused-kernel path (used on GPUs), driven here with the registry's reference op,
+    gives mlx-lm's greedy output and a sampled run reproducible per seed."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    import tiny_models
+    from mlx_engine import DraftModelDrafter, Engine, GenerationConfig, SamplingConfig
+    from mlx_engine import kernels as registry
+    from test_greedy_equality import PROMPT, noisy_copy, plain, target
+
+    engine = Engine(target("llama"), DraftModelDrafter(noisy_copy("llama"), tiny_models.VOCAB))
+    engine._fused_accept = registry.reference("acceptance")
+    out = [t for s in engine.generate(PROMPT, GenerationConfig(max_tokens=64, num_draft=3)) for t in s.tokens]
+    assert out == plain("llama") and 0 < engine.stats.accepted < engine.stats.drafted
+    cfg = GenerationConfig(max_tokens=32, num_draft=3, sampling=SamplingConfig(temperature=1.0), seed=5)
+    runs = [[t for s in engine.generate(PROMPT, cfg) for t in s.tokens] for _ in range(2)]
+    assert runs[0] == runs[1] and len(runs[0]) == 32
