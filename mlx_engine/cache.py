@@ -5,6 +5,13 @@ mlx-lm cache can be trimmed (KVCache, QuantizedKVCache, a RotatingKVCache that h
 tail by offset. Layers that cannot (recurrent ArraysCache of GatedDeltaNet / Mamba, wrapped rotating
 windows) are snapshotted before the pass; on rollback EVERY layer returns to the checkpoint and the kept
 tokens are handed back to be replayed, which the engine folds into the next forward pass (no extra pass).
+
+Per-token states (mlx_engine.hybrid.enable_per_token_states): a GatedDeltaNet layer patched to keep its
+state after every token of a verify pass (`cache.per_token`) is restorable by index. Its checkpoint is
+only references to its current arrays (the layer replaces them, never writes into them: no copy); on
+rollback it is set to the state after token n_keep-1 (or back to the checkpoint when n_keep == 0). When
+every non-trimmable layer is such a layer, trimmable layers just drop the tail and nothing is replayed.
+Any other non-trimmable layer (a wrapped rotating window) keeps the snapshot + replay path for the pass.
 """
 
 from dataclasses import dataclass
@@ -43,6 +50,40 @@ def _restore(c, snap: dict) -> None:
 
 
 @dataclass
+class _Refs:
+    """Checkpoint of a per-token-capable ArraysCache: its arrays by reference."""
+
+    arrays: list
+
+
+def _per_token_capable(c) -> bool:
+    return hasattr(c, "per_token") and getattr(c, "lengths", None) is None
+
+
+def _checkpoint_layer(c, n_new: int):
+    if _trimmable(c, n_new):
+        return None
+    if _per_token_capable(c):
+        c.per_token = None  # only states written by the coming pass count
+        return _Refs(list(c.cache))
+    return _snapshot(c)
+
+
+def _restore_layer(c, snap) -> None:
+    if isinstance(snap, _Refs):
+        c.cache = list(snap.arrays)
+        c.per_token = None
+    else:
+        _restore(c, snap)
+
+
+def _release(caches: list) -> None:
+    for c in caches:
+        if getattr(c, "per_token", None) is not None:
+            c.per_token = None  # drop the pass's graph
+
+
+@dataclass
 class Checkpoint:
     n_new: int  # tokens the pass about to run will feed
     snapshots: list  # per layer: None (trim by offset) or a snapshot of the layer's fields
@@ -54,7 +95,7 @@ class Checkpoint:
 
 def checkpoint(caches: list, n_new: int) -> Checkpoint:
     """Call before a pass that feeds `n_new` tokens. Snapshots only the layers that cannot trim."""
-    return Checkpoint(n_new, [None if _trimmable(c, n_new) else _snapshot(c) for c in caches])
+    return Checkpoint(n_new, [_checkpoint_layer(c, n_new) for c in caches])
 
 
 def rollback(caches: list, ckpt: Checkpoint, n_keep: int) -> int:
@@ -65,16 +106,33 @@ def rollback(caches: list, ckpt: Checkpoint, n_keep: int) -> int:
     """
     n_drop = ckpt.n_new - n_keep
     if n_drop == 0:
+        _release(caches)
         return 0
     if ckpt.exact_trim:
         for c in caches:
             c.trim(n_drop)
         return 0
+    by_index = all(
+        snap is None
+        or (isinstance(snap, _Refs) and getattr(c, "per_token", None) is not None and c.per_token.n == ckpt.n_new)
+        for c, snap in zip(caches, ckpt.snapshots)
+    )
+    if by_index:
+        for c, snap in zip(caches, ckpt.snapshots):
+            if snap is None:
+                c.trim(n_drop)
+            elif n_keep == 0:
+                _restore_layer(c, snap)
+            else:
+                c.cache[0], c.cache[1] = c.per_token.at(n_keep - 1)
+                c.per_token = None
+        return 0
     for c, snap in zip(caches, ckpt.snapshots):
         if snap is None:
             c.trim(ckpt.n_new)
         else:
-            _restore(c, snap)
+            _restore_layer(c, snap)
+    _release(caches)
     return n_keep
 
 

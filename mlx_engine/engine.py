@@ -7,7 +7,8 @@ that bookkeeping happens) and the drafter advances. When the draft policy picks 
 tokens is decoded plainly, pipelined as in mlx-lm, with the drafter kept in step.
 
 State between cycles: the target cache holds every committed token except `_last` (sampled, not yet
-fed) and `_replay` (kept tokens a non-trimmable cache must be fed again, folded into the next pass).
+fed) and `_replay` (kept tokens a cache without per-token states, e.g. a wrapped rotating window, must
+be fed again after a rollback to its snapshot; fed before the next checkpoint).
 `_cached` lists exactly the tokens the cache holds, so the next generation reuses the longest common
 prefix (a chat's earlier turns) instead of prefilling it again.
 """
@@ -78,16 +79,15 @@ class Engine:
 
     # -- the one place where cache bookkeeping happens -------------------------------------------
     def _commit(self, ckpt, verdict: Verdict, hidden) -> None:
-        """Roll the target back to the kept inputs [replay, last, d_1..d_n]; advance the drafter.
-        `hidden`: rows of the whole pass (replay rows first), or None."""
-        kept = self._replay + [self._last] + verdict.tokens[: verdict.n_accepted]
+        """Roll the target back to the kept inputs [last, d_1..d_n]; advance the drafter.
+        `hidden`: rows of the verify pass, or None."""
+        kept = [self._last] + verdict.tokens[: verdict.n_accepted]
         replay = cache_ops.rollback(self.cache, ckpt, len(kept)) if ckpt is not None else 0
         self._fed(kept[: len(kept) - replay], hidden)
         self._replay = kept[len(kept) - replay :] if replay else []
         self._last = verdict.tokens[verdict.n_accepted]
         if self.drafter is not None:
-            k = verdict.n_drafted
-            self.drafter.commit(verdict, hidden[-(k + 1) :] if hidden is not None else None)
+            self.drafter.commit(verdict, hidden)
 
     def _fed(self, tokens: list[int], hidden) -> None:
         """Record tokens now held by the cache (and their hidden rows, the first len(tokens) of `hidden`)."""
@@ -232,7 +232,11 @@ class Engine:
                 host.wait(draft.tokens, *([draft.probs] if draft.probs is not None else []))
                 stats.time_draft += time.perf_counter() - t
 
-            inputs = mx.concatenate([mx.array(self._replay + [self._last], dtype=mx.int32), draft.tokens])
+            if self._replay:  # fed in a pass of their own so the checkpoint below comes after them
+                _, h = self.target.forward(mx.array(self._replay, dtype=mx.int32), self.cache, want_hidden)
+                self._fed(self._replay, h)
+                self._replay = []
+            inputs = mx.concatenate([mx.array([self._last], dtype=mx.int32), draft.tokens])
             ckpt = cache_ops.checkpoint(self.cache, inputs.shape[0])
             logits, hidden = self.target.forward(inputs, self.cache, want_hidden)
             logits = logits[-(k + 1) :]

@@ -9,6 +9,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .cache import make_cache
+from .hybrid import enable_per_token_states
 
 
 def _text_model(model: nn.Module) -> nn.Module:
@@ -43,6 +44,9 @@ class Target:
         self.text = _text_model(model)
         self.inner = self.text.model
         _install_capture(self.inner)
+        # GatedDeltaNet layers (qwen3_next, qwen3_5) keep their state after every verified token, so a
+        # rejected draft rolls back by index instead of snapshot + replay
+        enable_per_token_states(self.model)
 
     @property
     def vocab_size(self) -> int:

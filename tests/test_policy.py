@@ -39,6 +39,14 @@ def test_observations_update_costs_and_conditional_acceptance():
     assert p.acceptance[:2] == [1.0, 0.0] and len(p.acceptance) == 2
 
 
+class ModelledCosts(AdaptivePolicy):
+    """The adaptive policy fed a fixed cost model instead of wall time (timings are not test material):
+    a plain token costs 1, a cycle drafting k costs 1.2 + 0.1 k."""
+
+    def observe(self, k, n_accepted, seconds, tokens=1):
+        super().observe(k, n_accepted, tokens * 1.0 if k == 0 else 1.2 + 0.1 * k, tokens)
+
+
 class OracleDrafter:
     """Drafts the true greedy continuation at no cost: auto must draft long."""
 
@@ -64,6 +72,7 @@ class OracleDrafter:
 def test_auto_drafts_long_with_a_perfect_drafter():
     ref = plain("llama")
     engine = Engine(target("llama"), OracleDrafter(ref))
+    engine.policy = ModelledCosts(max_k=8)
     tokens = [t for s in engine.generate(PROMPT, GenerationConfig(max_tokens=64, num_draft="auto")) for t in s.tokens]
     assert tokens == ref
     assert engine.stats.acceptance_rate == 1.0
@@ -72,6 +81,7 @@ def test_auto_drafts_long_with_a_perfect_drafter():
 
 def test_auto_stops_drafting_a_useless_drafter_and_stays_lossless():
     engine = Engine(target("qwen3_next"), DraftModelDrafter(tiny_models.build("llama", seed=99)[0], tiny_models.VOCAB))
+    engine.policy = ModelledCosts(max_k=8)
     for _ in range(2):  # the policy persists across generations
         tokens = [t for s in engine.generate(PROMPT, GenerationConfig(max_tokens=64, num_draft="auto")) for t in s.tokens]
         assert tokens == plain("qwen3_next")
