@@ -69,9 +69,9 @@ class Engine:
     def __init__(self, model: nn.Module, drafter: Drafter | None = None, max_draft: int = 8):
         self.target = Target(model)
         self.drafter = drafter
-        self.policy = AdaptivePolicy(max_k=max_draft)
+        self.policy = AdaptivePolicy(max_k=max_draft)  # kept across generations: what it learnt carries over
         # the fused acceptance kernel when a GPU backend is selected; on CPU verify.py's reference
-        self._fused_accept = kernels.get("acceptance") if kernels.backend("acceptance") != "reference" else None  # kept across generations: what it learnt carries over
+        self._fused_accept = kernels.get("acceptance") if kernels.backend("acceptance") != "reference" else None
         self.stats = SpecStats()
         self.cache: list = []
         self._cached: list[int] = []  # the tokens the cache holds, in order

@@ -35,6 +35,9 @@ def truncated_copy(model, n_layers: int):
 
     args = model.args
     cfg = {**vars(args), "num_hidden_layers": n_layers}
+    for key, value in cfg.items():  # per-layer lists (layer_types, ...) follow the layer count
+        if isinstance(value, list) and len(value) == args.num_hidden_layers:
+            cfg[key] = value[:n_layers]
     model_cls, args_cls = _get_classes(cfg)
     draft = model_cls(args_cls.from_dict(cfg))
     from mlx.utils import tree_flatten
@@ -44,6 +47,23 @@ def truncated_copy(model, n_layers: int):
     draft.load_weights(weights)
     mx.eval(draft.parameters())
     return draft
+
+
+def randomized_head(drafter):
+    """The same MTP drafter with a randomly initialised head (norms 1, weights N(0, 0.02)): a useless
+    drafter with a real drafter's costs, to check that auto stops drafting when it does not pay."""
+    from mlx.utils import tree_map
+
+    key = iter(mx.random.split(mx.random.key(1234), 4096))
+
+    def init(p):
+        if not mx.issubdtype(p.dtype, mx.floating):
+            return p
+        return mx.ones_like(p) if p.ndim == 1 else 0.02 * mx.random.normal(p.shape, key=next(key)).astype(p.dtype)
+
+    drafter.head.update(tree_map(init, drafter.head.parameters()))
+    mx.eval(drafter.head.parameters())
+    return drafter
 
 
 def load_prompts(suite: str, n: int, tokenizer) -> list[list[int]]:
@@ -165,9 +185,7 @@ def main(argv=None) -> int:
         load_mtp_drafter(model, loaded.path, loaded.config, mtp_weights=args.mtp_weights)
         mtp = lambda: load_mtp_drafter(model, loaded.path, loaded.config, mtp_weights=args.mtp_weights)  # noqa: E731
         if args.random_head:
-            from ..drafters.mtp import random_head_drafter
-
-            random_mtp = lambda: random_head_drafter(mtp())  # noqa: E731
+            random_mtp = lambda: randomized_head(mtp())  # noqa: E731
     except (ImportError, ValueError) as e:
         print(f"note: no MTP modes ({e})", file=sys.stderr)
 
