@@ -32,7 +32,7 @@ from .drafter import MTPDrafter, MTPHead, MTPLayer
 __all__ = [
     "MTPDrafter", "MTPHead", "MTPLayer", "MTPWeightsError", "MissingHeadError", "UnsupportedFamilyError",
     "HeadMismatchError", "SUPPORTED", "family_module", "load_head", "load_mtp_drafter", "head_weights_mlx",
-    "HEAD_FILE", "HEAD_FORMAT",
+    "HEAD_FILE", "HEAD_FORMAT", "HEAD_JSON",
 ]
 
 HEAD_FILE = "mtp.safetensors"
@@ -126,8 +126,70 @@ def _check_fit(head: MTPHead, weights: dict, family: str, source: str) -> None:
         raise HeadMismatchError(f"{family}: the MTP head in {source} does not fit the target: " + "; ".join(parts))
 
 
+def _trained_head_file(model_path, mtp_weights) -> Path | None:
+    """The head file if it holds a head trained here (metadata family "trained"), else None."""
+    from .trained import is_trained
+
+    if mtp_weights is not None:
+        path = Path(mtp_weights)
+    elif model_path is not None:
+        path = Path(model_path) / HEAD_FILE
+        try:  # mtp.json next to the model says so without opening the weights
+            if json.loads((Path(model_path) / HEAD_JSON).read_text()).get("family") == "trained":
+                return path if path.is_file() else None
+        except (OSError, ValueError):
+            pass
+    else:
+        return None
+    if not path.is_file():
+        return None
+    try:
+        _, meta = mx.load(str(path), return_metadata=True)
+    except Exception:
+        return None
+    return path if is_trained(meta) else None
+
+
+def _load_trained(model: nn.Module, config: dict, path: Path, dtype) -> MTPHead:
+    """A head trained by train-mtp for a target without MTP: block of the target's family, optional
+    reduced draft vocabulary (`vocab_subset`)."""
+    from . import trained
+
+    try:
+        weights, meta = mx.load(str(path), return_metadata=True)
+    except Exception as e:
+        raise MTPWeightsError(f"cannot read MTP weights file {path}: {e}") from e
+    want = meta.get("target")
+    if want and want != config.get("model_type"):
+        raise HeadMismatchError(f"{path} holds a head trained for {want} but the target is {config.get('model_type')}")
+    subset = weights.pop(trained.SUBSET_KEY, None)
+    head = trained.build(model, text_config(config))
+    q = json.loads(meta["quantization"]) if meta.get("quantization") else None
+    if q:
+        quantize_like(head, weights, q["bits"], q["group_size"], q.get("mode", "affine"))
+    _check_fit(head, weights, "trained", str(path))
+    head.load_weights(list(weights.items()))
+    if dtype == "auto":
+        dtype = _float_dtype(model)
+    if dtype is not None:
+        head.update(tree_map(lambda x: x.astype(dtype) if mx.issubdtype(x.dtype, mx.floating) else x,
+                             head.parameters()))
+    if subset is not None:
+        vocab = int(text_config(config).get("vocab_size", 0) or 0)
+        subset = subset.astype(mx.int32).reshape(-1)
+        if subset.size == 0 or (vocab and (int(subset.max()) >= vocab or int(subset.min()) < 0)):
+            raise HeadMismatchError(f"{path}: vocab_subset ids out of range for a vocabulary of {vocab}")
+        head.set_vocab_subset(subset)
+    head.eval()
+    host.wait(head.parameters())
+    return head
+
+
 def load_head(model: nn.Module, model_path, config: dict, mtp_weights=None, dtype="auto") -> MTPHead:
     """Build the family's head and load its weights (see the module docstring for where from)."""
+    trained_file = _trained_head_file(model_path, mtp_weights)
+    if trained_file is not None:
+        return _load_trained(model, config, trained_file, dtype)
     fam = family_module(config)
     family = config.get("model_type")
     tc = text_config(config)

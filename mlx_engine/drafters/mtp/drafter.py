@@ -74,6 +74,15 @@ class MTPHead(nn.Module):
     def make_cache(self) -> list:
         return [KVCache() for _ in self.layers]
 
+    @property
+    def vocab_subset(self) -> mx.array | None:
+        """Reduced draft vocabulary (int32 token ids) or None (the full vocabulary)."""
+        return self.__dict__.get("_vocab_subset")
+
+    def set_vocab_subset(self, ids: mx.array | None) -> None:
+        # kept outside the parameter tree (nn.Module would store an array as a parameter)
+        object.__setattr__(self, "_vocab_subset", None if ids is None else ids.astype(mx.int32))
+
 
 class MTPDrafter:
     name = "mtp"
@@ -93,6 +102,15 @@ class MTPDrafter:
         self._out: mx.array | None = None  # h' [1, H] of the last fed slot, when nothing is pending
         self._ckpt = None
         self._k = 0
+        # reduced draft vocabulary: the subset's rows of the target's output matrix, gathered once
+        self.vocab_subset = head.vocab_subset
+        self._sub_w = None
+        if self.vocab_subset is not None:
+            from .trained import output_rows
+
+            self._sub_w = output_rows(self.target, self.vocab_subset)
+            self._sub_w = self._sub_w.astype(self._float_dtype())
+            host.wait([self._sub_w])
 
     # -- pieces ------------------------------------------------------------------------------------
     @property
@@ -105,11 +123,24 @@ class MTPDrafter:
     def _run(self, i: int, tokens: mx.array, h: mx.array) -> mx.array:
         return self.head.layers[i](self._embed(tokens), h, self.cache[i], self.head.windows[i])
 
+    def _float_dtype(self):
+        for layer in self.head.layers:
+            return layer.norm.weight.dtype
+        return mx.float32
+
     def _logits(self, i: int, h: mx.array, drafted: list) -> mx.array:
-        """Logits of draft step i from the head output h' [1, H] (`drafted`: the lazy drafts so far)."""
+        """Logits of draft step i from the head output h' [1, H] (`drafted`: the lazy drafts so far).
+
+        With a reduced draft vocabulary h' is scored against the subset's rows only and scattered into
+        full-vocabulary logits with -inf elsewhere: the draft puts probability 0 outside the subset."""
         layer = self.head.layers[i]
         if "head" in layer:
             return layer.head(h)
+        if self._sub_w is not None:
+            small = h @ self._sub_w.T  # [n, S]
+            full = mx.full((h.shape[0], self.target.vocab_size), -mx.inf, dtype=small.dtype)
+            full[:, self.vocab_subset] = small
+            return full
         return self.target.lm_head(h)
 
     def _feed_pending(self) -> None:

@@ -1,0 +1,567 @@
+"""Train a DeepSeek-style MTP head for a target that ships none, by self-distillation from the frozen target.
+
+    python -m mlx_engine train-mtp --model M --out DIR [--corpus FILES] [--steps N] [--seq-len L]
+        [--batch B] [--lr LR] [--vocab-subset N] [--resume]
+
+The head (drafters/mtp/trained.py): enorm, hnorm, eh_proj, one decoder block of the target's family, output
+norm; the target's embedding and output matrix are shared and frozen. Head slot p takes (Emb(t_{p+1}), h_p)
+with h_p the target's final-normed hidden state, and learns the TARGET's distribution for token p+2, i.e.
+softmax(lm_head(h_{p+1})) (self-distillation: KL(teacher || head)).
+
+Efficiency on a CPU:
+- The target runs ONCE over the corpus (no grad) and its final-normed hidden states are kept (float16).
+  The teacher distribution of slot p is lm_head(h_{p+1}): recomputed in each step from the stored hidden
+  state with the same (subset) output matrix the head uses: a [S, H] matmul, far cheaper than storing
+  [N, V] teacher logits.
+- `--vocab-subset N`: the N most frequent tokens of the corpus (the target's own generations) plus the stop
+  tokens. The head's logits AND the teacher's are taken over the subset only, the teacher renormalised
+  over it. Why that and not the full-vocabulary KL: at run time the drafter puts probability 0 outside the
+  subset, and among distributions q supported on S the cross-entropy -sum_x p(x) log q(x) is minimised by
+  q = p restricted to S and renormalised, so the restricted+renormalised teacher has the same optimum as the
+  full-vocabulary objective under the support constraint, at S/V of the cost (8192/49152 on SmolLM2).
+- The train step (forward, backward, gradient clipping, AdamW) is one `mx.compile`d function.
+
+Corpus files (`--corpus`, any mix):
+- `.safetensors` written by `training/make_corpus.py` / `save_corpus` (tokens + hidden states already there);
+- `.jsonl` rows with `tokens` (ids), or `prompt_ids` + `response_ids`, or `prompt` + `response` (text; the
+  prompt goes through the chat template), or `text`;
+- `.txt` (plain text, split into chunks).
+Text corpora are encoded once by the frozen target and cached in DIR/corpus_cache.safetensors.
+
+Checkpoints (DIR/checkpoint/: head weights, optimizer state, step, seed and data order) every
+`--ckpt-every` steps and at the end; `--resume` continues from the last one with identical state (the data
+order is a function of the seed and the step). Output: DIR/mtp.safetensors (bf16 by default) + DIR/mtp.json,
+which the engine loads with `--mtp-weights DIR/mtp.safetensors` or finds next to the model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+from . import _platform  # noqa: F401  OpenBLAS before mlx
+
+import mlx.core as mx  # noqa: E402
+import mlx.nn as nn  # noqa: E402
+import mlx.optimizers as optim  # noqa: E402
+import numpy as np  # noqa: E402
+from mlx.utils import tree_flatten, tree_map, tree_unflatten  # noqa: E402
+
+CKPT = "checkpoint"
+CACHE = "corpus_cache.safetensors"
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+# -- the frozen target: hidden states --------------------------------------------------------------------
+def _hidden(target, x: mx.array, cache) -> mx.array:
+    """Final-normed hidden states [B, L, H] of the target's inner model (what lm_head scores)."""
+    return target.inner(x, cache=cache)
+
+
+def encode_sequences(target, seqs: list[list[int]], starts: list[int] | None = None, batch: int = 8,
+                     chunk: int = 512, progress=None) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Run the frozen target over token sequences; per sequence (tokens[s:], hidden[s:] float16).
+
+    Right-padded batches, fed in chunks through a KV cache: with a causal mask the padding never reaches
+    real positions. `starts[i]`: first position kept (e.g. the last prompt token)."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    starts = starts or [0] * len(seqs)
+    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
+    out: list = [None] * len(seqs)
+    done = 0
+    t0 = time.perf_counter()
+    for b in range(0, len(order), batch):
+        idx = order[b : b + batch]
+        n = max(len(seqs[i]) for i in idx)
+        x = mx.array([seqs[i] + [0] * (n - len(seqs[i])) for i in idx], dtype=mx.int32)
+        cache = make_prompt_cache(target.model)
+        hs = []
+        for s in range(0, n, chunk):
+            h = _hidden(target, x[:, s : s + chunk], cache).astype(mx.float16)
+            mx.eval(h)
+            hs.append(h)
+        h = np.array(mx.concatenate(hs, axis=1))
+        for j, i in enumerate(idx):
+            m = len(seqs[i])
+            out[i] = (np.array(seqs[i][starts[i] :], dtype=np.int32), h[j, starts[i] : m])
+        done += sum(len(seqs[i]) for i in idx)
+        if progress:
+            progress(f"encoded {b + len(idx)}/{len(seqs)} sequences, {done} tokens, "
+                     f"{done / (time.perf_counter() - t0):.0f} tok/s")
+    return out
+
+
+def generate_corpus(target, prompts: list[list[int]], max_tokens: int = 192, temperature: float = 0.0,
+                    batch: int = 32, stop: set[int] | frozenset = frozenset(), seed: int = 0,
+                    progress=None) -> list[tuple[np.ndarray, np.ndarray]]:
+    """The target's own answers, batched (left padding, BatchKVCache), keeping the hidden states.
+
+    Per prompt: (tokens, hidden float16) for the fed positions from the LAST PROMPT TOKEN on, up to (not
+    including) the first stop token; hidden[i] is the state after feeding tokens[i], tokens[i+1] the token
+    chosen from it. No second pass over the corpus is needed."""
+    from mlx_lm.models.cache import BatchKVCache
+
+    key = mx.random.key(seed)
+    out = []
+    n_layers = len(target.inner.layers)
+    t0 = time.perf_counter()
+    n_tok = 0
+    for b in range(0, len(prompts), batch):
+        chunk = prompts[b : b + batch]
+        n = max(len(p) for p in chunk)
+        pad = [n - len(p) for p in chunk]
+        x = mx.array([[0] * q + p for q, p in zip(pad, chunk)], dtype=mx.int32)
+        cache = [BatchKVCache(pad) for _ in range(n_layers)]
+        if n > 1:
+            mx.eval(_hidden(target, x[:, :-1], cache))
+        cur = x[:, -1:]
+        toks, hs = [cur], []
+        for t in range(max_tokens):
+            h = _hidden(target, cur, cache)[:, -1]
+            logits = target.lm_head(h).astype(mx.float32)
+            if temperature > 0:
+                key, sub = mx.random.split(key)
+                nxt = mx.random.categorical(logits * (1.0 / temperature), key=sub)
+            else:
+                nxt = mx.argmax(logits, axis=-1)
+            cur = nxt.astype(mx.int32)[:, None]
+            hs.append(h.astype(mx.float16))
+            toks.append(cur)
+            mx.async_eval(cur, hs[-1])
+            if stop and t % 16 == 15:
+                got = np.array(mx.concatenate(toks[1:], axis=1))
+                if all(any(int(v) in stop for v in row) for row in got):
+                    break
+        tok = np.array(mx.concatenate(toks, axis=1))  # [B, 1 + T]
+        hid = np.array(mx.stack(hs, axis=1))  # [B, T, H]
+        for j in range(len(chunk)):
+            row = tok[j]
+            end = hid.shape[1]  # fed positions 0..end-1 (the last chosen token is never fed)
+            for i in range(1, row.shape[0]):
+                if int(row[i]) in stop:
+                    end = i  # keep positions before the stop token is fed
+                    break
+            out.append((row[:end].astype(np.int32), hid[j, :end]))
+            n_tok += end
+        if progress:
+            el = time.perf_counter() - t0
+            progress(f"generated {b + len(chunk)}/{len(prompts)} answers, {n_tok} tokens, {n_tok / el:.1f} tok/s, "
+                     f"{el / 60:.1f} min")
+    return out
+
+
+# -- corpus files -------------------------------------------------------------------------------------------
+def save_corpus(path, seqs: list[tuple[np.ndarray, np.ndarray]], meta: dict | None = None) -> None:
+    offsets = np.cumsum([0] + [len(t) for t, _ in seqs]).astype(np.int32)
+    tokens = np.concatenate([t for t, _ in seqs]).astype(np.int32)
+    hidden = np.concatenate([h for _, h in seqs]).astype(np.float16)
+    mx.save_safetensors(str(path), {"tokens": mx.array(tokens), "hidden": mx.array(hidden),
+                                    "offsets": mx.array(offsets)},
+                        metadata={k: str(v) for k, v in (meta or {}).items()})
+
+
+def read_corpus(path) -> list[tuple[np.ndarray, np.ndarray]]:
+    w = mx.load(str(path))
+    tokens, hidden, offsets = np.array(w["tokens"]), np.array(w["hidden"]), np.array(w["offsets"])
+    return [(tokens[a:b], hidden[a:b]) for a, b in zip(offsets[:-1], offsets[1:])]
+
+
+def _text_rows(path: Path, tokenizer) -> tuple[list[list[int]], list[int]]:
+    seqs, starts = [], []
+    if path.suffix == ".txt":
+        ids = tokenizer.encode(path.read_text())
+        for s in range(0, len(ids), 1024):
+            seqs.append(ids[s : s + 1024])
+            starts.append(0)
+        return seqs, starts
+    for line in path.read_text().splitlines():
+        if not line.strip():
+            continue
+        r = json.loads(line)
+        if "tokens" in r:
+            seqs.append([int(t) for t in r["tokens"]]), starts.append(0)
+        elif "prompt_ids" in r and "response_ids" in r:
+            p = [int(t) for t in r["prompt_ids"]]
+            seqs.append(p + [int(t) for t in r["response_ids"]]), starts.append(len(p) - 1)
+        elif "prompt" in r and "response" in r:
+            p = tokenizer.apply_chat_template([{"role": "user", "content": r["prompt"]}], add_generation_prompt=True)
+            seqs.append(list(p) + tokenizer.encode(r["response"], add_special_tokens=False))
+            starts.append(len(p) - 1)
+        elif "text" in r:
+            seqs.append(tokenizer.encode(r["text"])), starts.append(0)
+        else:
+            raise ValueError(f"{path}: a row needs tokens, prompt_ids+response_ids, prompt+response or text")
+    return seqs, starts
+
+
+def load_corpora(files: list[str], target, tokenizer, out: Path, batch: int = 8) -> list:
+    """All corpus files as (tokens, hidden) sequences; text files are encoded once and cached in `out`."""
+    seqs = []
+    text_files = []
+    for f in files:
+        p = Path(f)
+        if not p.is_file():
+            raise FileNotFoundError(f"corpus file {p} does not exist")
+        if p.suffix == ".safetensors":
+            seqs += read_corpus(p)
+        else:
+            text_files.append(p)
+    if text_files:
+        sig = hashlib.sha1(json.dumps([[str(p.resolve()), p.stat().st_size, p.stat().st_mtime]
+                                       for p in text_files]).encode()).hexdigest()
+        cache = out / CACHE
+        hit = False
+        if cache.is_file():
+            _, meta = mx.load(str(cache), return_metadata=True)
+            hit = meta.get("signature") == sig
+        if hit:
+            seqs += read_corpus(cache)
+        else:
+            rows, starts = [], []
+            for p in text_files:
+                r, s = _text_rows(p, tokenizer)
+                rows += r
+                starts += s
+            log(f"encoding {len(rows)} text sequences with the frozen target")
+            enc = encode_sequences(target, rows, starts, batch=batch, progress=log)
+            save_corpus(cache, enc, {"signature": sig})
+            seqs += enc
+    return [s for s in seqs if len(s[0]) >= 3]
+
+
+# -- training -----------------------------------------------------------------------------------------------
+def choose_subset(seqs, n: int, vocab: int, always=()) -> np.ndarray:
+    """The n most frequent tokens of the corpus (+ `always`, e.g. the stop tokens), sorted."""
+    counts = np.bincount(np.concatenate([t for t, _ in seqs]), minlength=vocab)[:vocab].astype(np.float64)
+    for t in always:
+        if 0 <= t < vocab:
+            counts[t] = np.inf
+    ids = np.argsort(-counts, kind="stable")[: min(n, vocab)]
+    return np.sort(ids).astype(np.int32)
+
+
+def make_windows(seqs, seq_len: int):
+    """Slots grouped in windows of seq_len consecutive slots of one sequence.
+
+    Returns (tokens [N], hidden [N, H], hid_idx, tok_idx, mask) with index arrays [W, seq_len]: slot p of
+    a sequence reads hidden[p] and token[p+1] and its teacher hidden[p+1] (= hid_idx + 1)."""
+    tokens = np.concatenate([t for t, _ in seqs]).astype(np.int32)
+    hidden = np.concatenate([h for _, h in seqs])
+    hid_idx, mask = [], []
+    off = 0
+    for t, _ in seqs:
+        n_slots = len(t) - 1  # slots p = 0..n-2 (needs hidden[p+1])
+        for s in range(0, n_slots, seq_len):
+            m = min(seq_len, n_slots - s)
+            hid_idx.append([off + s + j if j < m else 0 for j in range(seq_len)])
+            mask.append([1.0] * m + [0.0] * (seq_len - m))
+        off += len(t)
+    hid_idx = np.array(hid_idx, dtype=np.int32)
+    return tokens, hidden, hid_idx, np.array(mask, dtype=np.float32)
+
+
+def batch_order(n_windows: int, batch: int, step: int, seed: int) -> np.ndarray:
+    """Window indices of `step`: an endless stream of seeded permutations (resumable from the step alone)."""
+    pos = np.arange(step * batch, (step + 1) * batch)
+    out = np.empty(batch, dtype=np.int64)
+    for e in np.unique(pos // n_windows):
+        perm = np.random.default_rng([seed, int(e)]).permutation(n_windows)
+        sel = pos // n_windows == e
+        out[sel] = perm[pos[sel] % n_windows]
+    return out
+
+
+def init_head(head, target, how: str = "last-layer") -> None:
+    """The output norm starts as the target's final norm (the scale lm_head expects); with "last-layer" the
+    block starts as a copy of the target's last decoder layer."""
+    layer = head.layers[0]
+    norm = getattr(target.inner, "norm", None)
+    if norm is not None and "weight" in norm and norm.weight.shape == layer.norm.weight.shape:
+        layer.norm.weight = mx.array(norm.weight)
+    if how == "last-layer":
+        layer.block.update(tree_map(lambda x: mx.array(x), target.inner.layers[-1].parameters()))
+
+
+def _schedule(lr: float, steps: int, warmup: int):
+    warmup = max(1, min(warmup, steps // 10 or 1))
+    return optim.join_schedules(
+        [optim.linear_schedule(lr * 0.01, lr, warmup), optim.cosine_decay(lr, max(1, steps - warmup), lr * 0.1)],
+        [warmup])
+
+
+def head_file_arrays(head, subset: np.ndarray | None, dtype=mx.bfloat16) -> dict:
+    arrays = {k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v
+              for k, v in tree_flatten(head.parameters())}
+    if subset is not None:
+        arrays["vocab_subset"] = mx.array(subset, dtype=mx.int32)
+    return arrays
+
+
+def write_head(out: Path, head, subset, config: dict, info: dict, dtype=mx.bfloat16) -> Path:
+    from .drafters.mtp import HEAD_FILE, HEAD_FORMAT, HEAD_JSON
+
+    arrays = head_file_arrays(head, subset, dtype)
+    meta = {"format": HEAD_FORMAT, "family": "trained", "target": config.get("model_type"), "num_layers": "1",
+            "quantization": "", "vocab_subset": str(0 if subset is None else len(subset))}
+    mx.save_safetensors(str(out / HEAD_FILE), arrays, metadata=meta)
+    (out / HEAD_JSON).write_text(json.dumps({**meta, **info}, indent=2))
+    return out / HEAD_FILE
+
+
+class Trainer:
+    def __init__(self, target, head, subset: np.ndarray | None, seqs, args):
+        self.target, self.head, self.args = target, head, args
+        self.layer = head.layers[0]
+        ids = None if subset is None else mx.array(subset, dtype=mx.int32)
+        from .drafters.mtp.trained import output_rows
+
+        vocab = target.vocab_size
+        self.W = output_rows(target, ids if ids is not None else mx.arange(vocab, dtype=mx.int32)).astype(mx.float32)
+        self.emb_table = target.inner.embed_tokens
+        tokens, hidden, self.hid_idx, self.mask = make_windows(seqs, args.seq_len)
+        self.tokens = mx.array(tokens)
+        self.hidden = mx.array(hidden)  # float16, cast per batch
+        mx.eval(self.W, self.tokens, self.hidden)
+        self.n_windows = self.hid_idx.shape[0]
+        self.n_slots = int(self.mask.sum())
+        self.opt = optim.AdamW(learning_rate=_schedule(args.lr, args.steps, args.warmup), weight_decay=args.weight_decay)
+        self.opt.init(self.layer.trainable_parameters())
+        self.step = 0
+        self._compiled = None
+
+    # one batch's inputs, built from the window indices (all gathers on device)
+    def inputs(self, step: int):
+        w = batch_order(self.n_windows, self.args.batch, step, self.args.seed)
+        hi = mx.array(self.hid_idx[w])
+        mask = mx.array(self.mask[w])
+        e = self.emb_table(self.tokens[hi + 1]).astype(mx.float32)
+        h = self.hidden[hi].astype(mx.float32)
+        th = self.hidden[hi + 1].astype(mx.float32)
+        return e, h, th, mask
+
+    def _loss(self, layer, e, h, th, mask, W):
+        x = layer.project(e, h)
+        y = layer.block(x, "causal", None)
+        hp = layer.norm(y)
+        s = hp @ W.T
+        t = mx.stop_gradient(th @ W.T)
+        logp = t - mx.logsumexp(t, axis=-1, keepdims=True)
+        logq = s - mx.logsumexp(s, axis=-1, keepdims=True)
+        kl = (mx.exp(logp) * (logp - logq)).sum(-1)
+        agree = (mx.argmax(s, axis=-1) == mx.argmax(t, axis=-1)).astype(mx.float32)
+        denom = mx.maximum(mask.sum(), 1.0)
+        return (kl * mask).sum() / denom, (agree * mask).sum() / denom
+
+    def _make_step(self):
+        layer, opt = self.layer, self.opt
+        value_and_grad = nn.value_and_grad(layer, lambda e, h, th, m, W: self._loss(layer, e, h, th, m, W))
+        clip = self.args.clip
+
+        def step(e, h, th, mask, W):
+            (loss, agree), grads = value_and_grad(e, h, th, mask, W)
+            if clip > 0:
+                grads, _ = optim.clip_grad_norm(grads, clip)
+            opt.update(layer, grads)
+            return loss, agree
+
+        if self.args.compile:
+            state = [layer.state, opt.state]
+            return mx.compile(step, inputs=state, outputs=state)
+        return step
+
+    def train_step(self):
+        if self._compiled is None:
+            self._compiled = self._make_step()
+        e, h, th, mask = self.inputs(self.step)
+        loss, agree = self._compiled(e, h, th, mask, self.W)
+        mx.eval(loss, agree, self.layer.parameters(), self.opt.state)
+        self.step += 1
+        return float(loss), float(agree), float(mask.sum())
+
+    # -- checkpoints --
+    def save(self, folder: Path, extra: dict) -> None:
+        folder.mkdir(parents=True, exist_ok=True)
+        tmp = folder / "tmp"
+        tmp.mkdir(exist_ok=True)
+        mx.save_safetensors(str(tmp / "head.safetensors"), dict(tree_flatten(self.head.parameters())))
+        opt_state = {k: v for k, v in tree_flatten(self.opt.state)}
+        mx.save_safetensors(str(tmp / "optimizer.safetensors"), opt_state)
+        (tmp / "state.json").write_text(json.dumps({"step": self.step, "seed": self.args.seed, **extra}, indent=1))
+        for name in ("head.safetensors", "optimizer.safetensors", "state.json"):
+            (tmp / name).replace(folder / name)
+        tmp.rmdir()
+
+    def load(self, folder: Path) -> dict:
+        state = json.loads((folder / "state.json").read_text())
+        self.head.load_weights(list(mx.load(str(folder / "head.safetensors")).items()))
+        opt = mx.load(str(folder / "optimizer.safetensors"))
+        self.opt.state = tree_unflatten(list(opt.items()))
+        self.opt.init(self.layer.trainable_parameters())  # marks it initialised, keeps the loaded values
+        self.step = int(state["step"])
+        self._compiled = None
+        mx.eval(self.head.parameters(), self.opt.state)
+        return state
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m mlx_engine train-mtp",
+                                description="train an MTP head for a target by self-distillation")
+    p.add_argument("--model", default=None, help="target model (path, hub id or GGUF); default: the embedded SmolLM2")
+    p.add_argument("--out", required=True, help="output folder (head, checkpoints, corpus cache)")
+    p.add_argument("--corpus", nargs="+", default=None,
+                   help=".safetensors (from training/make_corpus.py), .jsonl or .txt files; default: generate "
+                        "the target's own answers to training/prompts_train.jsonl")
+    p.add_argument("--prompts", default=None, help="prompts .jsonl used when no --corpus is given")
+    p.add_argument("--gen-tokens", type=int, default=160, help="max new tokens per generated answer")
+    p.add_argument("--steps", type=int, default=1000)
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--warmup", type=int, default=50)
+    p.add_argument("--clip", type=float, default=1.0)
+    p.add_argument("--weight-decay", type=float, default=0.0)
+    p.add_argument("--vocab-subset", type=int, default=0, help="draft over the N most frequent tokens (0 = all)")
+    p.add_argument("--init", choices=("last-layer", "random"), default="last-layer")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--ckpt-every", type=int, default=100)
+    p.add_argument("--resume", action="store_true", help="continue from DIR/checkpoint")
+    p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16",
+                   help="dtype of the written head")
+    p.add_argument("--no-compile", dest="compile", action="store_false")
+    p.add_argument("--minutes", type=float, default=0.0, help="stop (checkpoint + write) after this wall time")
+    p.add_argument("--stop-after", type=int, default=0,
+                   help="stop this run after N steps (checkpointed; --resume continues the same schedule)")
+    return p
+
+
+def main(argv=None) -> int:
+    args = _parser().parse_args(argv)
+    from .drafters.mtp import trained
+    from .models import load
+    from .target import Target
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    model_src = args.model
+    if model_src is None:
+        from .default_model import default_model_path
+
+        model_src = str(default_model_path())
+    t_start = time.perf_counter()
+    m = load(model_src)
+    m.model.freeze()
+    target = Target(m.model)
+    cfg = m.config
+    stop = set(getattr(m.tokenizer, "eos_token_ids", None) or [])
+
+    if args.corpus:
+        seqs = load_corpora(args.corpus, target, m.tokenizer, out)
+        corpus_desc = [str(c) for c in args.corpus]
+    else:
+        gen = out / "corpus_generated.safetensors"
+        if gen.is_file():
+            seqs = read_corpus(gen)
+        else:
+            prompts_file = Path(args.prompts) if args.prompts else Path(__file__).parents[1] / "training" / "prompts_train.jsonl"
+            prompts = [json.loads(x)["prompt"] for x in prompts_file.read_text().splitlines() if x.strip()]
+            ids = [list(m.tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True))
+                   for q in prompts]
+            log(f"generating the target's answers to {len(ids)} prompts from {prompts_file}")
+            seqs = generate_corpus(target, ids, args.gen_tokens, 0.0, 32, stop, args.seed, progress=log)
+            save_corpus(gen, seqs)
+        corpus_desc = ["generated"]
+    seqs = [s for s in seqs if len(s[0]) >= 3]
+    if not seqs:
+        log("error: the corpus is empty")
+        return 2
+    n_tokens = sum(len(t) for t, _ in seqs)
+    vocab = target.vocab_size
+
+    ckpt = out / CKPT
+    subset = None
+    if args.resume and (ckpt / "state.json").is_file():
+        saved = json.loads((ckpt / "state.json").read_text())
+        if saved.get("subset") is not None:
+            subset = np.array(saved["subset"], dtype=np.int32)
+    elif args.vocab_subset and args.vocab_subset < vocab:
+        subset = choose_subset(seqs, args.vocab_subset, vocab, always=stop)
+    if subset is not None:
+        cover = np.isin(np.concatenate([t for t, _ in seqs]), subset).mean()
+        log(f"draft vocabulary: {len(subset)} of {vocab} tokens, covering {cover:.1%} of the corpus tokens")
+
+    mx.random.seed(args.seed)
+    head = trained.build(m.model)
+    init_head(head, target, args.init)
+    mx.eval(head.parameters())
+    trainer = Trainer(target, head, subset, seqs, args)
+    history: list = []
+    elapsed_before = 0.0
+    if args.resume:
+        if (ckpt / "state.json").is_file():
+            st = trainer.load(ckpt)
+            history = st.get("history", [])
+            elapsed_before = st.get("train_seconds", 0.0)
+            log(f"resumed from {ckpt} at step {trainer.step}")
+        else:
+            log(f"no checkpoint in {ckpt}: starting from scratch")
+    n_params = sum(v.size for _, v in tree_flatten(head.parameters()))
+    log(f"corpus: {len(seqs)} sequences, {n_tokens} tokens, {trainer.n_slots} training slots in "
+        f"{trainer.n_windows} windows of {args.seq_len}; head: {n_params / 1e6:.2f}M parameters; "
+        f"steps {trainer.step}->{args.steps}, batch {args.batch}")
+
+    def extra():
+        return {"subset": None if subset is None else subset.tolist(), "history": history,
+                "train_seconds": elapsed_before + (time.perf_counter() - t_train),
+                "args": {k: v for k, v in vars(args).items() if k not in ("resume", "stop_after", "minutes")}}
+
+    t_train = time.perf_counter()
+    t_log, slots_log, acc = time.perf_counter(), 0.0, []
+    start_step = trainer.step
+    while trainer.step < args.steps:
+        loss, agree, n = trainer.train_step()
+        acc.append((loss, agree))
+        slots_log += n
+        s = trainer.step
+        if s % args.log_every == 0 or s == args.steps:
+            now = time.perf_counter()
+            rate = slots_log / max(now - t_log, 1e-9)
+            per_step = (now - t_train) / max(s - start_step, 1)
+            eta = per_step * (args.steps - s)
+            ml, ma = float(np.mean([a for a, _ in acc])), float(np.mean([b for _, b in acc]))
+            history.append([s, round(ml, 4), round(ma, 4)])
+            lr = float(trainer.opt.learning_rate) if hasattr(trainer.opt, "learning_rate") else args.lr
+            log(f"step {s}/{args.steps}  loss {ml:.4f}  top1-agree {ma:.3f}  lr {lr:.2e}  "
+                f"{rate:.0f} tok/s  ETA {eta / 60:.1f} min")
+            t_log, slots_log, acc = now, 0.0, []
+        if s % args.ckpt_every == 0:
+            trainer.save(ckpt, extra())
+        if args.stop_after and s - start_step >= args.stop_after:
+            break
+        if args.minutes and time.perf_counter() - t_start > args.minutes * 60:
+            log(f"time budget of {args.minutes} min reached at step {s}")
+            break
+    trainer.save(ckpt, extra())
+    train_seconds = elapsed_before + (time.perf_counter() - t_train)
+    info = {"model": str(model_src), "corpus": corpus_desc, "corpus_sequences": len(seqs),
+            "corpus_tokens": n_tokens, "steps": trainer.step, "batch": args.batch, "seq_len": args.seq_len,
+            "lr": args.lr, "train_minutes": round(train_seconds / 60, 2),
+            "final_loss": history[-1][1] if history else None,
+            "final_top1_agree": history[-1][2] if history else None}
+    path = write_head(out, head, subset, cfg, info, getattr(mx, args.dtype))
+    log(f"wrote {path} ({path.stat().st_size / 1e6:.1f} MB) and {out / 'mtp.json'}; "
+        f"use: --drafter mtp --mtp-weights {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

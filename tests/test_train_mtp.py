@@ -1,0 +1,111 @@
+"""train-mtp on a tiny llama target: loss goes down, checkpoint + resume is exact, the written head loads
+through load_mtp_drafter and is lossless (full and reduced draft vocabulary, greedy and sampled)."""
+
+import json
+import shutil
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import model_dirs
+from mlx_engine import Engine, GenerationConfig, SamplingConfig
+from mlx_engine.drafters.mtp import load_mtp_drafter
+from mlx_engine.models import load
+from mlx_engine.target import Target
+from mlx_engine.train_mtp import generate_corpus, main, read_corpus, save_corpus
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("train_mtp")
+    folder = model_dirs.save_tiny(root / "model", "llama", seed=3, vocab=320)
+    m = load(str(folder))
+    target = Target(m.model)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, 320, size=int(rng.integers(4, 12))).tolist() for _ in range(24)]
+    seqs = generate_corpus(target, prompts[:12], max_tokens=40, temperature=0.0, batch=12)
+    seqs += generate_corpus(target, prompts[12:], max_tokens=40, temperature=1.0, batch=12, seed=1)
+    corpus = root / "corpus.safetensors"
+    save_corpus(corpus, seqs)
+    return root, folder, m, corpus
+
+
+def _train(root, folder, corpus, name, *extra):
+    out = root / name
+    args = ["--model", str(folder), "--out", str(out), "--corpus", str(corpus), "--seq-len", "16",
+            "--batch", "4", "--lr", "3e-3", "--warmup", "2", "--log-every", "2", "--ckpt-every", "4", *extra]
+    assert main(args) == 0
+    return out
+
+
+def _greedy(model, drafter, prompt, k, n=24, sampling=SamplingConfig()):
+    eng = Engine(model, drafter)
+    steps = list(eng.generate(prompt, GenerationConfig(max_tokens=n, num_draft=k, sampling=sampling, seed=5)))
+    return [t for s in steps for t in s.tokens], steps
+
+
+def test_corpus_roundtrip(setup):
+    root, _, m, corpus = setup
+    seqs = read_corpus(corpus)
+    assert len(seqs) == 24
+    tokens, hidden = seqs[0]
+    assert hidden.shape == (len(tokens), m.config["hidden_size"]) and hidden.dtype == np.float16
+    # hidden[i] is the state after feeding tokens[i]: greedy answers continue with argmax(lm_head(hidden[i]))
+    logits = Target(m.model).lm_head(mx.array(hidden[:-1]).astype(mx.float32))
+    assert (np.array(mx.argmax(logits, axis=-1)) == tokens[1:]).mean() > 0.9
+
+
+def test_loss_decreases_and_resume_is_exact(setup):
+    root, folder, m, corpus = setup
+    full = _train(root, folder, corpus, "full", "--steps", "24")
+    hist = json.loads((full / "checkpoint" / "state.json").read_text())["history"]
+    assert hist[-1][1] < hist[0][1] * 0.9, hist
+    # 12 steps, stop, resume to 24: same state as the uninterrupted run
+    part = _train(root, folder, corpus, "part", "--steps", "24", "--stop-after", "12")
+    assert json.loads((part / "checkpoint" / "state.json").read_text())["step"] == 12
+    part = _train(root, folder, corpus, "part", "--steps", "24", "--resume")
+    assert json.loads((part / "checkpoint" / "state.json").read_text())["step"] == 24
+    for name in ("head.safetensors", "optimizer.safetensors"):
+        a, b = mx.load(str(full / "checkpoint" / name)), mx.load(str(part / "checkpoint" / name))
+        assert set(a) == set(b)
+        for k in a:
+            assert mx.allclose(a[k], b[k], atol=1e-6).item(), (name, k)
+    meta = json.loads((full / "mtp.json").read_text())
+    assert meta["family"] == "trained" and meta["target"] == "llama" and meta["steps"] == 24
+    # the head is lossless through the engine, loaded from --mtp-weights
+    drafter = load_mtp_drafter(m.model, folder, m.config, mtp_weights=full / "mtp.safetensors")
+    assert drafter.family == "trained" and drafter.vocab_subset is None
+    prompt = [5, 17, 33, 90, 41]
+    plain, _ = _greedy(m.model, None, prompt, 0)
+    for k in (1, 3):
+        got, _ = _greedy(m.model, drafter, prompt, k)
+        assert got == plain
+
+
+def test_reduced_vocabulary_head(setup, tmp_path):
+    root, folder, m, corpus = setup
+    out = _train(root, folder, corpus, "subset", "--steps", "8", "--vocab-subset", "48")
+    # found next to the model (mtp.json says it is a trained head)
+    model_dir = tmp_path / "model"
+    shutil.copytree(folder, model_dir)
+    shutil.copyfile(out / "mtp.safetensors", model_dir / "mtp.safetensors")
+    shutil.copyfile(out / "mtp.json", model_dir / "mtp.json")
+    drafter = load_mtp_drafter(m.model, model_dir, m.config)
+    subset = set(np.array(drafter.vocab_subset).tolist())
+    assert len(subset) <= 49 and drafter.vocab_subset.dtype == mx.int32
+    prompt = [7, 8, 9, 100, 200, 31]
+    plain, _ = _greedy(m.model, None, prompt, 0, n=32)
+    for k in (1, 2, 4):
+        got, steps = _greedy(m.model, drafter, prompt, k, n=32)
+        assert got == plain
+        drafts = [t for s in steps for t in s.draft]
+        assert drafts and set(drafts) <= subset
+    # sampled: runs, draft probabilities are zero outside the subset
+    sampling = SamplingConfig(temperature=0.8)
+    got, steps = _greedy(m.model, drafter, prompt, 3, n=24, sampling=sampling)
+    assert len(got) == 24 and all(0 <= t < 320 for t in got)
+    d = drafter.propose(2, sampling, mx.random.key(0))
+    outside = np.setdiff1d(np.arange(320), np.array(sorted(subset)))
+    assert float(mx.abs(d.probs[:, mx.array(outside)]).max()) == 0.0
+    assert np.allclose(np.array(d.probs.sum(-1)), 1.0, atol=1e-5)
