@@ -194,12 +194,18 @@ def main(argv=None) -> int:
     temps = [float(t) for t in args.temps.split(",")]
     results = {(m.name, t): [] for m in modes for t in temps}
     total = (args.trials + 1) * len(modes) * len(temps) * len(prompts)
-    with Progress() as progress:
+    from rich.console import Console
+
+    console = Console(stderr=True)
+    with Progress(console=console) as progress:
         task = progress.add_task("bench", total=total)
         for trial in range(args.trials + 1):
             for temp in temps:
                 for mode in modes:
-                    progress.update(task, description=f"trial {trial} {mode.name} t={temp:g}")
+                    what = f"trial {trial}/{args.trials} {mode.name} t={temp:g}"
+                    progress.update(task, description=what)
+                    if not console.is_terminal:  # a log file: one line per mode
+                        print(f"{time.strftime('%H:%M:%S')} {what}", file=sys.stderr, flush=True)
                     runs = [mode.run(p, args.max_tokens, temp, 1000 * trial + i) for i, p in enumerate(prompts)]
                     progress.advance(task, len(prompts))
                     if trial > 0:
