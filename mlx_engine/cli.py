@@ -3,7 +3,6 @@
 import argparse
 import json
 import sys
-import time
 
 from .drafters.draft_model import DraftModelDrafter
 from .drafters.ngram import NgramDrafter

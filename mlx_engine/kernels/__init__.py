@@ -20,6 +20,7 @@ Ops (module: reference / fused):
 
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 import threading
@@ -78,6 +79,20 @@ _MODULES = {
 }
 _resolved: dict[str, tuple[str, Callable]] = {}
 _lock = threading.RLock()
+
+
+@functools.lru_cache(maxsize=None)
+def build_kernel(name: str, input_names: tuple, output_names: tuple, backend: str):
+    """The `mx.fast.metal_kernel` / `cuda_kernel` of `metal_kernels/<name>.metal|.cu` (built once)."""
+    from metal_kernels import source
+
+    make = mx.fast.metal_kernel if backend == "metal" else mx.fast.cuda_kernel
+    return make(
+        name=f"mlx_engine_{name}",
+        input_names=list(input_names),
+        output_names=list(output_names),
+        source=source(name, backend),
+    )
 
 
 def register(op: Op) -> None:

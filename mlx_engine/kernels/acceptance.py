@@ -26,11 +26,10 @@ sampled token can differ from the reference only when s * sum(r) falls within ro
 
 from __future__ import annotations
 
-from functools import lru_cache
 
 import mlx.core as mx
 
-from . import Launch, Op
+from . import Launch, Op, build_kernel
 
 NAME = "acceptance"
 INPUT_NAMES = ("target", "draft", "qprobs", "uniforms")
@@ -137,17 +136,8 @@ def launch_spec(
     )
 
 
-@lru_cache(maxsize=None)
 def _kernel(backend: str):
-    from metal_kernels import source
-
-    make = mx.fast.metal_kernel if backend == "metal" else mx.fast.cuda_kernel
-    return make(
-        name=f"mlx_engine_{NAME}",
-        input_names=list(INPUT_NAMES),
-        output_names=list(OUTPUT_NAMES),
-        source=source(NAME, backend),
-    )
+    return build_kernel(NAME, INPUT_NAMES, OUTPUT_NAMES, backend)
 
 
 def _accept_kernel(backend: str, threads: int):

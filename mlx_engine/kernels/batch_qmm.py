@@ -30,11 +30,10 @@ correct, not a fast CPU path (on CPU use fp32 weights or mx.quantized_matmul).
 
 from __future__ import annotations
 
-from functools import lru_cache
 
 import mlx.core as mx
 
-from . import Launch, Op
+from . import Launch, Op, build_kernel
 
 NAME = "batch_qmm"
 INPUT_NAMES = ("x", "w", "scales", "biases")
@@ -149,17 +148,8 @@ def launch_spec(
     )
 
 
-@lru_cache(maxsize=None)
 def _kernel(backend: str):
-    from metal_kernels import source
-
-    make = mx.fast.metal_kernel if backend == "metal" else mx.fast.cuda_kernel
-    return make(
-        name=f"mlx_engine_{NAME}",
-        input_names=list(INPUT_NAMES),
-        output_names=list(OUTPUT_NAMES),
-        source=source(NAME, backend),
-    )
+    return build_kernel(NAME, INPUT_NAMES, OUTPUT_NAMES, backend)
 
 
 def _qmm_kernel(backend: str, x, w, scales, biases, group_size: int = 64, bits: int = 4) -> mx.array:

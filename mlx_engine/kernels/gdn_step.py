@@ -24,11 +24,10 @@ MLX's `.sum`, so it agrees with the reference to float32 rounding, not bit for b
 
 from __future__ import annotations
 
-from functools import lru_cache
 
 import mlx.core as mx
 
-from . import Launch, Op
+from . import Launch, Op, build_kernel
 
 NAME = "gdn_step"
 INPUT_NAMES = ("q", "k", "v", "g", "beta", "state_in")
@@ -94,17 +93,8 @@ def launch_spec(q, k, v, g, beta, state=None) -> Launch:
     )
 
 
-@lru_cache(maxsize=None)
 def _kernel(backend: str):
-    from metal_kernels import source
-
-    make = mx.fast.metal_kernel if backend == "metal" else mx.fast.cuda_kernel
-    return make(
-        name=f"mlx_engine_{NAME}",
-        input_names=list(INPUT_NAMES),
-        output_names=list(OUTPUT_NAMES),
-        source=source(NAME, backend),
-    )
+    return build_kernel(NAME, INPUT_NAMES, OUTPUT_NAMES, backend)
 
 
 def _gdn_kernel(backend: str, q, k, v, g, beta, state=None):
