@@ -30,7 +30,7 @@ class NoModel(Exception):
     """No model could be chosen (no --model and no embedded default)."""
 
 
-def default_model() -> str:
+def default_model(progress=None) -> str:
     """The embedded default model's path (mlx_engine.default_model), or NoModel with what to do."""
     try:
         from mlx_engine.default_model import default_model_path
@@ -45,7 +45,7 @@ def default_model() -> str:
     except ImportError as e:
         raise NoModel(f"The embedded default model could not be imported: {e}. Use --model.") from None
     try:
-        return str(default_model_path())
+        return str(default_model_path(progress) if progress else default_model_path())
     except Exception as e:  # a missing wheel, a broken file...
         raise NoModel(f"The embedded default model is not available: {e}. Use --model.") from None
 
@@ -231,7 +231,9 @@ class EngineWorker:
         total = 3 if req.drafter == "none" else 4
         try:
             self.post(ModelLoading("Choosing the model", 0, total))
-            path = req.model if req.model else default_model()
+            # first use downloads and converts the default: its progress goes to the loading screen
+            progress = lambda what, frac: self.post(ModelLoading(what if frac is None else f"{what} {frac:.0%}", 0, total))  # noqa: E731
+            path = req.model if req.model else default_model(progress)
             self.post(ModelLoading(f"Loading {path}", 1, total))
             loaded = load_model(path)
         except NoModel as e:

