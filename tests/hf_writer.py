@@ -61,13 +61,32 @@ TEXT_CONFIGS = {
         num_key_value_heads=2, rms_norm_eps=1e-5, max_position_embeddings=4096, rope_theta=10000.0,
         tie_word_embeddings=False, num_nextn_predict_layers=1,
     ),
+    "step3p5": dict(
+        model_type="step3p5", hidden_size=H, num_hidden_layers=2, intermediate_size=128,
+        num_attention_heads=4, num_attention_groups=2, head_dim=16, rms_norm_eps=1e-5, rope_theta=10000.0,
+        max_position_embeddings=4096, sliding_window=32, use_head_wise_attn_gate=True,
+        moe_num_experts=4, moe_top_k=2, moe_intermediate_size=32, share_expert_dim=32,
+        moe_router_scaling_factor=1.0, norm_expert_weight=True, tie_word_embeddings=False,
+        num_nextn_predict_layers=3,
+        # per-layer lists: N target layers + 3 trailing MTP entries (dense MLP, sliding attention)
+        layer_types=["full_attention", "sliding_attention"] + ["sliding_attention"] * 3,
+        partial_rotary_factors=[0.5] * 5,
+    ),
 }
+TEXT_CONFIGS["glm4_moe_lite"] = {**TEXT_CONFIGS["deepseek_v3"], "model_type": "glm4_moe_lite"}
 TEXT_CONFIGS["qwen3_5_moe"] = {
     **TEXT_CONFIGS["qwen3_5"], "model_type": "qwen3_5_moe_text", "num_experts": 4, "num_experts_per_tok": 2,
     "shared_expert_intermediate_size": 32, "moe_intermediate_size": 32, "decoder_sparse_step": 1,
 }
 FAMILIES = tuple(TEXT_CONFIGS)
-ZERO_CENTRED = {"qwen3_5", "qwen3_next", "qwen3_5_moe"}
+ZERO_CENTRED = {"qwen3_5", "qwen3_next", "qwen3_5_moe", "step3p5"}
+MLA = ("deepseek_v3", "glm4_moe_lite")
+# mlx-lm step3p5 name -> HF name (inverse of mlx-lm's step3p5 sanitize remappings)
+_STEP_REMAP = [
+    (".mlp.switch_mlp.gate_proj.", ".moe.gate_proj."), (".mlp.switch_mlp.up_proj.", ".moe.up_proj."),
+    (".mlp.switch_mlp.down_proj.", ".moe.down_proj."), (".mlp.gate.gate.", ".moe.gate."),
+    (".mlp.gate.router_bias", ".moe.router_bias"), (".mlp.share_expert.", ".share_expert."),
+]
 QWEN35 = ("qwen3_5", "qwen3_5_moe")
 _QWEN_NORMS = (".input_layernorm.weight", ".post_attention_layernorm.weight", "model.norm.weight",
                ".q_norm.weight", ".k_norm.weight")
@@ -116,6 +135,15 @@ def to_hf(family: str, params: dict, cfg: dict) -> dict:
         orig = k
         if family in QWEN35:
             k = k.replace("language_model.model.", "model.language_model.").replace("language_model.lm_head.", "lm_head.")
+        if family == "step3p5":  # HF: stacked experts under .moe., all norms zero-centred
+            for src, dst in _STEP_REMAP:
+                if src in k:
+                    k = k.replace(src, dst)
+                    break
+            if k.endswith(".weight") and "norm" in k:
+                v = v - 1.0
+            out[k] = v
+            continue
         if family in ZERO_CENTRED:
             if "conv1d.weight" in k:
                 v = np.swapaxes(v, 1, 2)  # [C, K, 1] -> HF [C, 1, K]
@@ -131,7 +159,7 @@ def to_hf(family: str, params: dict, cfg: dict) -> dict:
             continue
         if _unstack(out, k, v):
             continue
-        if family == "deepseek_v3" and (k.endswith("embed_q.weight") or k.endswith("unembed_out.weight")):
+        if family in MLA and (k.endswith("embed_q.weight") or k.endswith("unembed_out.weight")):
             if k.endswith("unembed_out.weight"):
                 continue
             pre = k[: -len("embed_q.weight")]
@@ -167,7 +195,7 @@ def head_tensors(family: str, cfg: dict, target_hf: dict, seed: int, block_from_
         out.update({"mtp.fc.weight": proj, "mtp.pre_fc_norm_embedding.weight": norm(),
                     "mtp.pre_fc_norm_hidden.weight": norm(), "mtp.norm.weight": norm()})
         return out
-    if family in ("deepseek_v3", "glm4_moe"):
+    if family in ("deepseek_v3", "glm4_moe", "glm4_moe_lite"):
         pre = f"model.layers.{n}."
         out = _layer(donor, f"model.layers.{n - 1}.", pre)
         out.update({pre + "enorm.weight": norm(), pre + "hnorm.weight": norm(), pre + "eh_proj.weight": proj,
@@ -180,6 +208,17 @@ def head_tensors(family: str, cfg: dict, target_hf: dict, seed: int, block_from_
         out = _layer(donor, f"model.layers.{n - 1}.", pre)
         out.update({pre + "token_layernorm.weight": norm(), pre + "hidden_layernorm.weight": norm(),
                     pre + "input_proj.weight": proj, pre + "final_layernorm.weight": norm()})
+        return out
+    if family == "step3p5":  # 3 heads; block = the (dense) layer 0 under a .transformer.-less prefix
+        out = {}
+        vocab = tc["vocab_size"]
+        for i in range(tc["num_nextn_predict_layers"]):
+            pre = f"model.layers.{n + i}."
+            out.update(_layer(donor, "model.layers.0.", pre))
+            out.update({pre + "enorm.weight": norm(), pre + "hnorm.weight": norm(),
+                        pre + "eh_proj.weight": (rng.normal(0, 1, (hdim, 2 * hdim)) / np.sqrt(2 * hdim)).astype(np.float32),
+                        pre + "shared_head.norm.weight": norm(),
+                        pre + "shared_head.output.weight": (rng.normal(0, 1, (vocab, hdim)) / np.sqrt(hdim)).astype(np.float32)})
         return out
     raise ValueError(family)
 
