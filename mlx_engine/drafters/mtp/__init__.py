@@ -16,9 +16,10 @@ from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten, tree_map
+from mlx.utils import tree_flatten
 
 from ... import host
+from ...models import cast_floats
 from ...models.hf_weights import (
     MTPWeightsError,
     dequantize_fp8,
@@ -150,6 +151,19 @@ def _trained_head_file(model_path, mtp_weights) -> Path | None:
     return path if is_trained(meta) else None
 
 
+def _fill(head: MTPHead, weights: dict, quant: dict | None, family: str, source: str, model: nn.Module, dtype) -> None:
+    """Quantize the head like its file, check the weights fit, load them, cast floats to `dtype`
+    ("auto": the target's float dtype)."""
+    if quant:
+        quantize_like(head, weights, quant["bits"], quant["group_size"], quant.get("mode", "affine"))
+    _check_fit(head, weights, family, source)
+    head.load_weights(list(weights.items()))
+    if dtype == "auto":
+        dtype = _float_dtype(model)
+    if dtype is not None:
+        cast_floats(head, dtype)
+
+
 def _load_trained(model: nn.Module, config: dict, path: Path, dtype) -> MTPHead:
     """A head trained by train-mtp for a target without MTP: block of the target's family, optional
     reduced draft vocabulary (`vocab_subset`)."""
@@ -165,15 +179,7 @@ def _load_trained(model: nn.Module, config: dict, path: Path, dtype) -> MTPHead:
     subset = weights.pop(trained.SUBSET_KEY, None)
     head = trained.build(model, text_config(config))
     q = json.loads(meta["quantization"]) if meta.get("quantization") else None
-    if q:
-        quantize_like(head, weights, q["bits"], q["group_size"], q.get("mode", "affine"))
-    _check_fit(head, weights, "trained", str(path))
-    head.load_weights(list(weights.items()))
-    if dtype == "auto":
-        dtype = _float_dtype(model)
-    if dtype is not None:
-        head.update(tree_map(lambda x: x.astype(dtype) if mx.issubdtype(x.dtype, mx.floating) else x,
-                             head.parameters()))
+    _fill(head, weights, q, "trained", str(path), model, dtype)
     if subset is not None:
         vocab = int(text_config(config).get("vocab_size", 0) or 0)
         subset = subset.astype(mx.int32).reshape(-1)
@@ -224,15 +230,7 @@ def load_head(model: nn.Module, model_path, config: dict, mtp_weights=None, dtyp
     head = fam.build(model, tc, set(weights))
     if not head.layers:
         raise MissingHeadError(f"{family}: no MTP layers found in {source}")
-    if quant:
-        quantize_like(head, weights, quant["bits"], quant["group_size"], quant.get("mode", "affine"))
-    _check_fit(head, weights, family, source)
-    head.load_weights(list(weights.items()))
-    if dtype == "auto":
-        dtype = _float_dtype(model)
-    if dtype is not None:
-        head.update(tree_map(lambda x: x.astype(dtype) if mx.issubdtype(x.dtype, mx.floating) else x,
-                             head.parameters()))
+    _fill(head, weights, quant, family, source, model, dtype)
     head.eval()
     host.wait(head.parameters())  # load time, not the loop
     return head
