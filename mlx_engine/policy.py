@@ -7,10 +7,18 @@ position i. It picks the k (0 = plain decoding) that maximises expected tokens p
     E(k) = 1 + a_1 + a_1 a_2 + ... + a_1..a_k        tokens per cycle
     S(k) = E(k) / T(k)                                T(k): seconds per cycle at length k
 
-Unmeasured lengths are extrapolated linearly from measured ones. Every `probe_every` cycles it tries a
-neighbour of the current best so a change of text (code vs prose) or of costs is noticed. When plain
-decoding wins, the engine decodes plainly (pipelined, as fast as `--drafter none`) for a stretch of
-tokens that doubles while drafting keeps losing, then probes again.
+a_i is a Beta-smoothed estimate from decayed counts (memory of about `window` drafts per position), so one
+lucky or unlucky draft does not flip the choice. T(k) is a moving average; unmeasured lengths are
+extrapolated linearly from the two nearest measured ones. The first drafting cycle after a plain stretch is
+not timed: it carries the drafter's catch-up over the stretch, which is the stretch's cost, not k's.
+
+While drafting wins, every `probe_every` cycles it tries a neighbour of the best k (k+1, then k-1, which
+can be a short plain stretch), so a change of text or of costs is noticed. While plain decoding wins, the
+engine decodes plainly (pipelined, as fast as `--drafter none`) for a stretch of tokens, then drafts a
+burst of cycles (at least `probe_cycles`, ~1/16 of the stretch) to re-measure acceptance; the stretch
+doubles while drafting keeps losing. A useless drafter so costs a few percent at most (a burst cycle
+that drafts in vain costs one verify pass for one token), and a drafter near break-even is re-measured
+with enough drafts to come back.
 """
 
 from dataclasses import dataclass, field
@@ -33,24 +41,38 @@ class FixedPolicy:
 @dataclass
 class AdaptivePolicy:
     max_k: int = 8
-    probe_every: int = 16
-    smoothing: float = 0.15  # weight of a new observation in the moving averages
-    prior_acceptance: float = 0.5  # for positions never observed (optimistic enough to try them)
+    probe_every: int = 16  # while drafting: cycles between tries of a neighbouring length
+    probe_cycles: int = 4  # while plain wins: drafting cycles after each plain stretch
+    bootstrap_tokens: int = 8  # the first plain stretch, to time a plain token
+    bootstrap_cycles: int = 4  # the first drafting burst, at k = 1
+    smoothing: float = 0.1  # weight of a new cycle time in the moving averages
+    window: float = 128.0  # memory of the acceptance counts, in drafts per position
+    prior_acceptance: float = 0.5  # Beta prior: optimistic enough that unobserved positions get tried
+    prior_weight: float = 2.0
     min_stretch: int = 16
     max_stretch: int = 512
-    cost: dict = field(default_factory=dict)  # k -> seconds per cycle (moving average)
-    acceptance: list = field(default_factory=list)  # conditional acceptance per draft position
+    cost: dict = field(default_factory=dict)  # k -> seconds per cycle (per token for k = 0)
+    acceptance: list = field(default_factory=list)  # conditional acceptance estimate per draft position
+    hits: list = field(default_factory=list)  # decayed accepted counts per position
+    tries: list = field(default_factory=list)  # decayed drafted counts per position
     cycles: int = 0
     stretch: int = 16
     best: int = 1
-
-    def _avg(self, old: float | None, new: float) -> float:
-        return new if old is None else old + self.smoothing * (new - old)
+    _burst: int = 0  # drafting cycles left in the current burst
+    _burst_k: int = 1
+    _in_burst: bool = False
+    _after_plain: bool = False  # a plain stretch just ended
+    _untimed: bool = False  # the next drafting cycle carries the drafter's catch-up
+    _since_probe: int = 0
+    _up: bool = False
 
     def expected_tokens(self, k: int) -> float:
         total, run = 1.0, 1.0
         for i in range(k):
-            a = self.acceptance[i] if i < len(self.acceptance) else (self.acceptance[-1] if self.acceptance else self.prior_acceptance)
+            if i < len(self.acceptance):
+                a = self.acceptance[i]
+            else:
+                a = self.acceptance[-1] if self.acceptance else self.prior_acceptance
             run *= a
             total += run
         return total
@@ -69,38 +91,69 @@ class AdaptivePolicy:
         cost = self.estimated_cost(k)
         return self.expected_tokens(k) / cost if cost else 0.0
 
-    def choose(self) -> int:
-        return max(range(self.max_k + 1), key=lambda k: (self.speed(k), -k))
+    def choose(self, lowest: int = 0) -> int:
+        return max(range(lowest, self.max_k + 1), key=lambda k: (self.speed(k), -k))
+
+    def _start_burst(self, cycles: int) -> int:
+        self._burst_k = self.choose(lowest=1) if len(self.cost) >= 2 else 1
+        self._burst, self._in_burst = cycles - 1, True
+        return self._burst_k
 
     def next_k(self) -> int:
         self.cycles += 1
-        if len(self.cost) < 2:  # bootstrap: measure plain and one drafting length
-            return 0 if 0 not in self.cost else max(1, min(2, self.max_k))
+        if self._burst > 0:
+            self._burst -= 1
+            return self._burst_k
+        if 0 not in self.cost:
+            return 0  # bootstrap: time plain decoding first
+        if self._after_plain:
+            self._after_plain = False
+            if len(self.cost) < 2:
+                return self._start_burst(self.bootstrap_cycles)
+            if self.choose() == 0:  # a burst in proportion to the stretch: ~1/16 of the tokens re-measure
+                return self._start_burst(max(self.probe_cycles, self.stretch // 16))
+        if self._in_burst:
+            self._in_burst = False
+            if self.choose() == 0:  # the burst lost too: decode plainly for longer
+                self.stretch = min(self.stretch * 2, self.max_stretch)
+                self.best = 0
+                return 0
         self.best = self.choose()
-        if self.cycles % self.probe_every == 0:
-            probe = self.best + 1 if (self.cycles // self.probe_every) % 2 else self.best - 1
-            if self.best == 0:
-                probe = 1
-            return max(0, min(self.max_k, probe))
+        self.stretch = self.min_stretch  # plain stretches start short again once drafting has won
+        if self.best == 0:
+            return 0
+        self._since_probe += 1
+        if self._since_probe >= self.probe_every:
+            self._since_probe, self._up = 0, not self._up
+            return max(0, min(self.max_k, self.best + (1 if self._up else -1)))
         return self.best
 
     def plain_run(self) -> int:
-        """Tokens to decode plainly now that k = 0 won; doubles while drafting keeps losing."""
-        if len(self.cost) < 2:
-            return 4  # bootstrap: just enough to time a plain step
-        run = self.stretch
-        self.stretch = min(self.stretch * 2, self.max_stretch)
-        return run
+        """Tokens to decode plainly now that next_k() returned 0."""
+        return self.bootstrap_tokens if 0 not in self.cost else self.stretch
 
     def observe(self, k: int, n_accepted: int, seconds: float, tokens: int = 1) -> None:
-        """One cycle at length k (or, for k = 0, `tokens` plain tokens that took `seconds`)."""
-        self.cost[k] = self._avg(self.cost.get(k), seconds / (tokens if k == 0 else 1))
-        if k > 0:
-            self.stretch = self.min_stretch if self.choose() > 0 else self.stretch
+        """One cycle at length k (or, for k = 0, a plain stretch of `tokens` tokens that took `seconds`)."""
+        if k == 0:
+            if tokens > 0:
+                old = self.cost.get(0)
+                per_token = seconds / tokens
+                self.cost[0] = per_token if old is None else old + 3 * self.smoothing * (per_token - old)
+            self._after_plain = self._untimed = True
+            return
+        if not self._untimed or k not in self.cost:
+            old = self.cost.get(k)
+            self.cost[k] = seconds if old is None else old + self.smoothing * (seconds - old)
+        self._untimed = False
+        decay = 1.0 - 1.0 / self.window
         for i in range(min(n_accepted + 1, k)):  # positions the draft reached with all before accepted
-            while len(self.acceptance) <= i:
-                self.acceptance.append(self.prior_acceptance)
-            self.acceptance[i] = self._avg(self.acceptance[i], 1.0 if i < n_accepted else 0.0)
+            while len(self.tries) <= i:
+                self.hits.append(0.0)
+                self.tries.append(0.0)
+            self.hits[i] = self.hits[i] * decay + (1.0 if i < n_accepted else 0.0)
+            self.tries[i] = self.tries[i] * decay + 1.0
+        w, prior = self.prior_weight, self.prior_acceptance
+        self.acceptance = [(h + prior * w) / (t + w) for h, t in zip(self.hits, self.tries)]
 
 
 def make_policy(num_draft: int | str, max_k: int = 8):

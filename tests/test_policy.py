@@ -28,15 +28,89 @@ def test_picks_the_length_that_maximises_tokens_per_second():
 def test_picks_plain_decoding_when_drafts_are_rejected():
     p = trained({0: 1.0, 1: 1.3, 2: 1.45}, [0.05, 0.05])
     assert p.choose() == 0
-    assert p.plain_run() < p.plain_run()  # the plain stretch grows while drafting keeps losing
+    stretches = []
+    for _ in range(200):  # the engine's loop, drafts always rejected
+        k = p.next_k()
+        if k == 0:
+            stretches.append(p.plain_run())
+            p.observe(0, 0, float(stretches[-1]), tokens=stretches[-1])
+        else:
+            p.observe(k, 0, 1.2 + 0.1 * k)
+    assert stretches[:6] == [16, 32, 64, 128, 256, 512]  # doubles while each probing burst loses
+    assert stretches[-1] == p.max_stretch
 
 
 def test_observations_update_costs_and_conditional_acceptance():
-    p = AdaptivePolicy(max_k=4, smoothing=1.0)
+    p = AdaptivePolicy(max_k=4, smoothing=1.0, prior_weight=0.0)
     p.observe(0, 0, 0.5, tokens=10)
-    p.observe(3, 1, 0.2)  # position 0 accepted, position 1 rejected, position 2 never reached
-    assert p.cost == {0: 0.05, 3: 0.2}
-    assert p.acceptance[:2] == [1.0, 0.0] and len(p.acceptance) == 2
+    p.observe(3, 1, 0.2)  # the first drafting cycle after a plain stretch is untimed, unless k is unmeasured
+    p.observe(3, 1, 0.3)  # position 0 accepted, position 1 rejected, position 2 never reached
+    assert p.cost == {0: 0.05, 3: 0.3}
+    assert p.acceptance == [1.0, 0.0]
+
+
+def test_acceptance_is_beta_smoothed_decayed_counts():
+    p = AdaptivePolicy(max_k=2, prior_acceptance=0.5, prior_weight=2.0, window=4.0)
+    p.observe(1, 1, 1.0)
+    assert abs(p.acceptance[0] - (1 + 1) / (1 + 2)) < 1e-12  # one accept against a prior of 1 in 2
+    for _ in range(50):
+        p.observe(1, 0, 1.0)
+    assert p.acceptance[0] < 0.3  # old accepts fade: the decayed count keeps ~window observations
+    assert p.tries[0] < 4.0 + 1e-9
+
+
+def test_catch_up_cycle_after_a_plain_stretch_is_not_timed():
+    p = AdaptivePolicy(max_k=2, smoothing=1.0)
+    p.observe(1, 0, 1.0)
+    p.observe(0, 0, 64.0, tokens=64)
+    p.observe(1, 0, 9.0)  # drafter catching up over 64 tokens: not k = 1's cost
+    assert p.cost[1] == 1.0
+    p.observe(1, 0, 2.0)
+    assert p.cost[1] == 2.0
+
+
+def simulate(p: AdaptivePolicy, acceptance: list[float], tokens: int, seed: int = 0) -> tuple[float, int]:
+    """Drive the policy the way the engine does with modelled costs (plain token 1, a cycle drafting k
+    1.2 + 0.1 k) and a seeded drafter accepting position i with probability acceptance[i].
+    -> (modelled time for `tokens` tokens, tokens produced by drafting cycles)."""
+    import random
+
+    rng, time_, made, drafted_tokens = random.Random(seed), 0.0, 0, 0
+    while made < tokens:
+        k = p.next_k()
+        if k == 0:
+            n = min(p.plain_run(), tokens - made)
+            p.observe(0, 0, float(n), tokens=n)
+            time_, made = time_ + n, made + n
+            continue
+        n = 0
+        while n < k and rng.random() < acceptance[min(n, len(acceptance) - 1)]:
+            n += 1
+        cost = 1.2 + 0.1 * k
+        p.observe(k, n, cost)
+        time_, made, drafted_tokens = time_ + cost, made + n + 1, drafted_tokens + n + 1
+    return time_, drafted_tokens
+
+
+def test_a_useless_drafter_costs_under_five_percent():
+    for seed in range(5):
+        time_, drafted = simulate(AdaptivePolicy(max_k=8), [0.0], 2000, seed)
+        assert time_ <= 2000 / 0.95  # modelled: plain decoding would take 2000
+        assert drafted < 0.08 * 2000  # tokens from probing bursts: ~1/16 of each plain stretch
+
+
+def test_converges_to_the_best_length_of_the_cost_model():
+    def true_speed(a, k):  # tokens per modelled second with i.i.d. acceptance a
+        return sum(a**i for i in range(k + 1)) / (1.0 if k == 0 else 1.2 + 0.1 * k)
+
+    for a in (0.95, 0.8, 0.6, 0.4, 0.1):
+        best = max(true_speed(a, k) for k in range(9))
+        p = AdaptivePolicy(max_k=8)
+        simulate(p, [a], 3000, seed=1)
+        assert abs(p.acceptance[0] - a) < 0.2
+        assert true_speed(a, p.choose()) >= 0.97 * best, (a, p.choose())
+        time_, _ = simulate(p, [a], 3000, seed=2)  # once learnt, the whole run is near the best fixed k
+        assert 3000 / time_ >= 0.95 * best, a
 
 
 class ModelledCosts(AdaptivePolicy):
