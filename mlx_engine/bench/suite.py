@@ -2,8 +2,10 @@
 
 Modes: plain decoding through mlx-lm, plain through the engine, mlx-lm's speculative_generate_step with
 a draft model, and the engine with each drafter at fixed k and auto, at each temperature. Each trial runs
-every mode over the same prompts (modes interleaved, so drift hits all alike); the first trial is a
-warm-up. Reported: median decode tok/s over trials, speedup over mlx-lm plain at the same temperature,
+every mode on each prompt back to back, in an order that rotates from prompt to prompt, so drift of a
+shared machine hits all modes alike; the first trial is a warm-up. Reported: median decode tok/s over
+trials; speedups over mlx-lm plain and over engine plain at the same temperature, each the median over
+trials of the ratio measured within a trial (paired, so slow drift cancels);
 acceptance, E (tokens per verify), C (seconds per cycle in units of one engine-plain token), S = E / C,
 acceptance per draft position, peak memory.
 """
@@ -139,12 +141,13 @@ def print_table(rows: list[dict]) -> None:
     from rich.table import Table
 
     table = Table(title="decode speed (median over trials)")
-    for col in ("mode", "temp", "tok/s", "vs mlx-lm", "accept", "E", "C", "S", "per position", "peak MB"):
+    for col in ("mode", "temp", "tok/s", "vs mlx-lm", "vs plain", "accept", "E", "C", "S", "per position", "peak MB"):
         table.add_column(col, justify="left" if col in ("mode", "per position") else "right")
     for r in rows:
         acc = "-" if r["acceptance"] is None else f"{r['acceptance']:.2f}"
         per = " ".join(f"{a:.2f}" for a in r["acceptance_per_position"][:6])
-        table.add_row(r["mode"], f"{r['temp']:g}", f"{r['tok_s']:.2f}", f"{r['speedup_vs_mlx_lm_plain']:.2f}x", acc,
+        table.add_row(r["mode"], f"{r['temp']:g}", f"{r['tok_s']:.2f}", f"{r['speedup_vs_mlx_lm_plain']:.2f}x",
+                      "-" if r["speedup_vs_engine_plain"] is None else f"{r['speedup_vs_engine_plain']:.2f}x", acc,
                       f"{r['E']:.2f}", f"{r['C']:.2f}", f"{r['S']:.2f}", per, f"{r['peak_memory_mb']:.0f}")
     Console(width=170).print(table)
 
@@ -194,6 +197,8 @@ def main(argv=None) -> int:
     temps = [float(t) for t in args.temps.split(",")]
     results = {(m.name, t): [] for m in modes for t in temps}
     total = (args.trials + 1) * len(modes) * len(temps) * len(prompts)
+    if "mlx-lm plain" not in [m.name for m in modes]:
+        raise SystemExit("error: --modes must keep 'mlx-lm plain' (the baseline of every speedup)")
     from rich.console import Console
 
     console = Console(stderr=True)
@@ -201,30 +206,39 @@ def main(argv=None) -> int:
         task = progress.add_task("bench", total=total)
         for trial in range(args.trials + 1):
             for temp in temps:
-                for mode in modes:
-                    what = f"trial {trial}/{args.trials} {mode.name} t={temp:g}"
+                runs = {m.name: [] for m in modes}
+                for i, prompt in enumerate(prompts):
+                    # every mode on this prompt back to back, the order rotating: drift hits all modes alike
+                    shift = (i + trial) % len(modes)
+                    what = f"trial {trial}/{args.trials} t={temp:g} prompt {i + 1}/{len(prompts)}"
                     progress.update(task, description=what)
-                    if not console.is_terminal:  # a log file: one line per mode
+                    if not console.is_terminal:  # a log file: one line per prompt
                         print(f"{time.strftime('%H:%M:%S')} {what}", file=sys.stderr, flush=True)
-                    runs = [mode.run(p, args.max_tokens, temp, 1000 * trial + i) for i, p in enumerate(prompts)]
-                    progress.advance(task, len(prompts))
-                    if trial > 0:
-                        results[(mode.name, temp)].append(runs)
+                    for mode in modes[shift:] + modes[:shift]:
+                        runs[mode.name].append(mode.run(prompt, args.max_tokens, temp, 1000 * trial + i))
+                        progress.advance(task, 1)
+                if trial > 0:
+                    for name, r in runs.items():
+                        results[(name, temp)].append(r)
 
     rows = []
     for temp in temps:
-        per_mode = {}
-        for mode in modes:
-            trials = [summarise(runs) for runs in results[(mode.name, temp)]]
+        per_mode = {name: [summarise(runs) for runs in results[(name, temp)]] for name in (m.name for m in modes)}
+
+        def paired(name, base):  # median over trials of the ratio within a trial
+            if base not in per_mode:
+                return None
+            return statistics.median(a["tok_s"] / b["tok_s"] for a, b in zip(per_mode[name], per_mode[base]))
+
+        plain = statistics.median(t["tok_s"] for t in per_mode["engine plain"]) if "engine plain" in per_mode else None
+        for name, trials in per_mode.items():
             med = statistics.median(t["tok_s"] for t in trials)
             best = min(trials, key=lambda t: abs(t["tok_s"] - med))
-            per_mode[mode.name] = {**best, "tok_s": med, "tok_s_trials": [t["tok_s"] for t in trials]}
-        base = per_mode["mlx-lm plain"]["tok_s"]
-        plain_step = 1.0 / per_mode["engine plain"]["tok_s"] if "engine plain" in per_mode else None
-        for name, r in per_mode.items():
-            c = r["seconds_per_cycle"] / plain_step if plain_step and r["seconds_per_cycle"] else 0.0
-            rows.append({"mode": name, "temp": temp, **r, "speedup_vs_mlx_lm_plain": r["tok_s"] / base,
-                         "C": c, "S": r["E"] / c if c else 0.0})
+            c = best["seconds_per_cycle"] * plain if plain and best["seconds_per_cycle"] else 0.0
+            rows.append({"mode": name, "temp": temp, **best, "tok_s": med, "tok_s_trials": [t["tok_s"] for t in trials],
+                         "speedup_vs_mlx_lm_plain": paired(name, "mlx-lm plain"),
+                         "speedup_vs_engine_plain": paired(name, "engine plain"),
+                         "C": c, "S": best["E"] / c if c else 0.0})
     print_table(rows)
 
     out = Path(args.out)
