@@ -21,7 +21,9 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="hub repo id, local model folder, or .gguf file")
     p.add_argument("--drafter", default="none", help=f"one of {', '.join(DRAFTERS)} (default: none = plain decoding)")
     p.add_argument("--draft-model", help="draft model for --drafter draft (same tokenizer as --model)")
-    p.add_argument("--mtp-weights", help="safetensors file with the MTP head, for --drafter mtp")
+    p.add_argument("--mtp-weights",
+                   help="safetensors file with the MTP head, or a GGUF with llama.cpp's nextn tensors (GLM-4.x), "
+                        "for --drafter mtp")
     p.add_argument("--num-draft", default="auto",
                    help="tokens drafted per cycle: k >= 0, or auto (default): the k that measures fastest, 0 included")
     p.add_argument("--temp", type=float, default=0.0, help="sampling temperature; 0 = greedy (default)")

@@ -549,18 +549,26 @@ def _first_mtp_layer(g: GGUFFile) -> int | None:
     return min(layers) if layers else None
 
 
-def read_gguf_mtp_tensors(path: str | Path, dtype: mx.Dtype = mx.float32) -> dict[str, mx.array]:
+_MTP_COPIES = ("nextn.embed_tokens", "nextn.shared_head_head")  # copies of the target's embedding / lm_head
+
+
+def read_gguf_mtp_tensors(path: str | Path | GGUFFile, dtype: mx.Dtype = mx.float32,
+                          skip_copies: bool = False) -> dict[str, mx.array]:
     """The MTP layers' tensors (blocks N >= block_count - nextn_predict_layers), dequantized to dtype.
 
     Names follow HF DeepSeek/GLM: model.layers.N.{enorm, hnorm, eh_proj, shared_head.norm, shared_head.head,
     embed_tokens, input_layernorm, self_attn.*, post_attention_layernorm, mlp.*}.weight; stacked experts use
     mlx-lm's mlp.switch_mlp.*. Tensors with no known equivalent keep their GGUF name. Empty dict if none.
+    skip_copies: leave out nextn.embed_tokens / nextn.shared_head_head (vocabulary-sized copies of the
+    target's embedding and output matrix, which the head does not use), without decoding them.
+    `path` may be an already parsed GGUFFile.
     """
-    g = read_gguf(path)
+    g = path if isinstance(path, GGUFFile) else read_gguf(path)
     first = _first_mtp_layer(g)
     if first is None:
         return {}
-    names = [n for n in g.tensors if (layer := _layer_of(n)) is not None and layer >= first]
+    names = [n for n in g.tensors if (layer := _layer_of(n)) is not None and layer >= first
+             and not (skip_copies and _split_name(n)[1] in _MTP_COPIES)]
     tensors = load_tensors(g, names, dtype, use_mx_load=False)
     return {hf_name(n, _MTP_BLOCK, _MTP_FULL_NAMES) or n: a for n, a in tensors.items()}
 

@@ -4,8 +4,9 @@
     drafter = load_mtp_drafter(model, model_path, config, mtp_weights=None)
 
 Where the head's weights come from, in order: `mtp_weights` (a safetensors file: HF names, or the MLX
-head file `convert` writes), `<model_path>/mtp.safetensors` (written by `python -m mlx_engine convert`),
-else the HF-layout shards in `model_path`.
+head file `convert` writes; or a GGUF file holding llama.cpp's nextn tensors, e.g. GLM-4.x),
+`<model_path>/mtp.safetensors` (written by `python -m mlx_engine convert`), else the HF-layout shards in
+`model_path`.
 """
 
 from __future__ import annotations
@@ -92,8 +93,47 @@ def head_weights_mlx(model: nn.Module, config: dict, hf_weights: dict) -> dict:
     return fam.to_mlx(w, model, tc)
 
 
-def _read_head_file(path: Path, config: dict):
-    """(weights, layout "mlx"|"hf", quantization dict|None) of a separate head file."""
+def _is_gguf(path: Path) -> bool:
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == b"GGUF"
+    except OSError:
+        return False
+
+
+# GGUF general.architecture -> the model_types whose MTP head it can hold
+_GGUF_ARCHS = {"glm4moe": {"glm4_moe"}}
+
+
+def _read_gguf_head(path: Path, config: dict, dtype) -> dict:
+    """HF-named head tensors of a GGUF file with llama.cpp's nextn (MTP) layers, dequantized to `dtype`."""
+    from ...models.gguf import read_gguf, read_gguf_mtp_tensors
+
+    family = config.get("model_type")
+    try:
+        g = read_gguf(path)
+        weights = read_gguf_mtp_tensors(g, dtype, skip_copies=True)
+    except Exception as e:
+        raise MTPWeightsError(f"cannot read MTP weights file {path}: {e}") from e
+    if g.arch in _GGUF_ARCHS and family not in _GGUF_ARCHS[g.arch]:
+        raise HeadMismatchError(f"{path} is a GGUF of architecture {g.arch} but the target is {family}")
+    if not weights:
+        raise MissingHeadError(
+            f"{family}: {path} holds no MTP (nextn) tensors: --mtp-weights takes a GGUF only with llama.cpp's "
+            f"nextn layer (blk.N.nextn.*, N >= the target's layer count)"
+        )
+    unknown = sorted(k for k in weights if k.startswith("blk."))
+    if unknown:
+        raise HeadMismatchError(f"{family}: {path} has MTP layer tensors with no known equivalent: {unknown[:6]}")
+    return weights
+
+
+def _read_head_file(path: Path, config: dict, gguf_dtype=mx.float32):
+    """(weights, layout "mlx"|"hf", quantization dict|None) of a separate head file.
+
+    A GGUF file is read as HF-named tensors, dequantized to `gguf_dtype`."""
+    if _is_gguf(path):
+        return _read_gguf_head(path, config, gguf_dtype), "hf", None
     try:
         weights, meta = mx.load(str(path), return_metadata=True)
     except Exception as e:
@@ -142,7 +182,7 @@ def _trained_head_file(model_path, mtp_weights) -> Path | None:
             pass
     else:
         return None
-    if not path.is_file():
+    if not path.is_file() or _is_gguf(path):  # a GGUF head is never one trained here
         return None
     try:
         _, meta = mx.load(str(path), return_metadata=True)
@@ -204,7 +244,8 @@ def load_head(model: nn.Module, model_path, config: dict, mtp_weights=None, dtyp
         path = Path(mtp_weights)
         if not path.is_file():
             raise MissingHeadError(f"{family}: MTP weights file {path} does not exist")
-        weights, layout, quant = _read_head_file(path, config)
+        gguf_dtype = dtype if isinstance(dtype, mx.Dtype) else _float_dtype(model)
+        weights, layout, quant = _read_head_file(path, config, gguf_dtype)
         if layout == "hf":
             pred = fam.head_key_predicate(tc)
             weights = {k: v for k, v in weights.items() if pred(k)}
