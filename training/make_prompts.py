@@ -1,6 +1,6 @@
 """Write the training and held-out instruction prompts (programmatic, written here; no external data).
 
-    python training/make_prompts.py    # -> training/prompts_train.jsonl, training/prompts_eval.jsonl
+    python training/make_prompts.py    # -> training/prompts_train.jsonl, prompts_eval.jsonl, prompts_train2.jsonl
 
 Templates x topics, shuffled with a fixed seed. The held-out set uses its own templates AND its own
 topics, so no held-out prompt shares a topic or a phrasing with a training prompt.
@@ -113,6 +113,17 @@ def train_prompts(seed: int = 0) -> list[str]:
     return out
 
 
+def extra_prompts(used: set[str], seed: int = 2) -> list[str]:
+    """Every other template x topic combination (the second corpus): same topics and phrasings as
+    train_prompts, disjoint from the held-out set by construction."""
+    out = [tpl.format(t=t) for t in TOPICS for tpl in TEMPLATES]
+    out += [tpl.format(c=c, lang=lang) for c in CODE_TOPICS for tpl in CODE_TEMPLATES for lang in sorted(set(LANGS))]
+    out += [f"Explain how to {h}, briefly." for h in HOWTOS] + [f"What mistakes do people make when they {h}?" for h in HOWTOS]
+    out = sorted(set(out) - used)
+    random.Random(seed).shuffle(out)
+    return out
+
+
 def eval_prompts(seed: int = 1) -> list[str]:
     rng = random.Random(seed)
     out = [rng.choice(EVAL_TEMPLATES).format(t=t) for t in EVAL_TOPICS] + EVAL_CODE
@@ -122,8 +133,9 @@ def eval_prompts(seed: int = 1) -> list[str]:
 
 def main() -> None:
     train, ev = train_prompts(), eval_prompts()
-    assert not set(train) & set(ev)
-    for name, rows in (("prompts_train.jsonl", train), ("prompts_eval.jsonl", ev)):
+    extra = extra_prompts(set(train))
+    assert not set(train) & set(ev) and not set(extra) & set(ev)
+    for name, rows in (("prompts_train.jsonl", train), ("prompts_eval.jsonl", ev), ("prompts_train2.jsonl", extra)):
         with open(HERE / name, "w") as f:
             for p in rows:
                 f.write(json.dumps({"prompt": p}) + "\n")
