@@ -72,6 +72,10 @@ class LivePolicy:
             return min(self.inner.plain_run(), 64)
         return self.PLAIN_STRETCH
 
+    def begin(self) -> None:
+        if self.inner is not None:
+            self.inner.begin()
+
     def observe(self, k: int, n_accepted: int, seconds: float, tokens: int = 1) -> None:
         if self.inner is not None:
             try:

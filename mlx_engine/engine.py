@@ -203,20 +203,26 @@ class Engine:
         if first in cfg.stop_tokens:
             return
 
+        if hasattr(policy, "begin"):
+            policy.begin()
         t_decode = time.perf_counter()
         while stats.generated < cfg.max_tokens:
             remaining = cfg.max_tokens - stats.generated
-            k = min(policy.next_k(), remaining - 1)
+            wanted = policy.next_k()
+            k = min(wanted, remaining - 1)
             limit = drafter.max_draft() if drafter is not None else None
             k = min(k, limit) if limit is not None else k
             if k <= 0:
                 t = time.perf_counter()
                 n, stopped = 0, False
-                for step in self._plain(cfg, min(policy.plain_run(), remaining), want_hidden, t_decode):
+                # a plain stretch the policy asked for, or the last token (no room for a draft): not timed
+                todo = min(policy.plain_run(), remaining) if wanted <= 0 else 1
+                for step in self._plain(cfg, todo, want_hidden, t_decode):
                     n += 1
                     stopped = step.tokens[-1] in cfg.stop_tokens
                     yield step
-                policy.observe(0, 0, time.perf_counter() - t, tokens=n)
+                if wanted <= 0:
+                    policy.observe(0, 0, time.perf_counter() - t, tokens=n)
                 if stopped:
                     return
                 continue

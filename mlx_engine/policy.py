@@ -61,6 +61,8 @@ class AdaptivePolicy:
     _burst: int = 0  # drafting cycles left in the current burst
     _burst_k: int = 1
     _in_burst: bool = False
+    _plain_left: int = 0  # plain tokens still owed to the current stretch (carried across generations)
+    _last_stretch: int = 0
     _after_plain: bool = False  # a plain stretch just ended
     _untimed: bool = False  # the next drafting cycle carries the drafter's catch-up
     _since_probe: int = 0
@@ -104,43 +106,57 @@ class AdaptivePolicy:
         if self._burst > 0:
             self._burst -= 1
             return self._burst_k
-        if 0 not in self.cost:
-            return 0  # bootstrap: time plain decoding first
+        if 0 not in self.cost or self._plain_left > 0:
+            return 0  # bootstrap (time plain decoding first), or the rest of a plain stretch
         if self._after_plain:
             self._after_plain = False
             if len(self.cost) < 2:
                 return self._start_burst(self.bootstrap_cycles)
             if self.choose() == 0:  # a burst in proportion to the stretch: ~1/16 of the tokens re-measure
-                return self._start_burst(max(self.probe_cycles, self.stretch // 16))
+                return self._start_burst(max(self.probe_cycles, self._last_stretch // 16))
         if self._in_burst:
             self._in_burst = False
             if self.choose() == 0:  # the burst lost too: decode plainly for longer
                 self.stretch = min(self.stretch * 2, self.max_stretch)
-                self.best = 0
+                self.best, self._plain_left = 0, self.stretch
                 return 0
         self.best = self.choose()
         self.stretch = self.min_stretch  # plain stretches start short again once drafting has won
         if self.best == 0:
+            self._plain_left = self.stretch
             return 0
         self._since_probe += 1
         if self._since_probe >= self.probe_every:
             self._since_probe, self._up = 0, not self._up
-            return max(0, min(self.max_k, self.best + (1 if self._up else -1)))
+            probe = max(0, min(self.max_k, self.best + (1 if self._up else -1)))
+            if probe == 0:
+                self._plain_left = self.stretch
+            return probe
         return self.best
 
+    def begin(self) -> None:
+        """A new generation: its first drafting cycle carries the drafter's prefill, so it is not timed."""
+        self._untimed = True
+
     def plain_run(self) -> int:
-        """Tokens to decode plainly now that next_k() returned 0."""
-        return self.bootstrap_tokens if 0 not in self.cost else self.stretch
+        """Tokens to decode plainly now that next_k() returned 0 (what is left of the stretch)."""
+        return self.bootstrap_tokens if 0 not in self.cost else max(1, self._plain_left)
 
     def observe(self, k: int, n_accepted: int, seconds: float, tokens: int = 1) -> None:
         """One cycle at length k (or, for k = 0, a plain stretch of `tokens` tokens that took `seconds`)."""
         if k == 0:
-            if tokens > 0:
+            if tokens > 0:  # a stretch weighs by its length: its first token is not pipelined
                 old = self.cost.get(0)
                 per_token = seconds / tokens
-                self.cost[0] = per_token if old is None else old + 3 * self.smoothing * (per_token - old)
-            self._after_plain = self._untimed = True
+                weight = 1.0 - (1.0 - self.smoothing) ** (tokens / 8)
+                self.cost[0] = per_token if old is None else old + weight * (per_token - old)
+            self._untimed = True
+            self._plain_left -= tokens
+            self._last_stretch += tokens
+            if self._plain_left <= 0:  # the stretch is done (possibly over several generations)
+                self._plain_left, self._after_plain = 0, True
             return
+        self._last_stretch = 0
         if not self._untimed or k not in self.cost:
             old = self.cost.get(k)
             self.cost[k] = seconds if old is None else old + self.smoothing * (seconds - old)

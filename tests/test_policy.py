@@ -69,27 +69,43 @@ def test_catch_up_cycle_after_a_plain_stretch_is_not_timed():
     assert p.cost[1] == 2.0
 
 
-def simulate(p: AdaptivePolicy, acceptance: list[float], tokens: int, seed: int = 0) -> tuple[float, int]:
+def simulate(p: AdaptivePolicy, acceptance: list[float], tokens: int, seed: int = 0,
+             gen_len: int | None = None) -> tuple[float, int]:
     """Drive the policy the way the engine does with modelled costs (plain token 1, a cycle drafting k
-    1.2 + 0.1 k) and a seeded drafter accepting position i with probability acceptance[i].
+    1.2 + 0.1 k) and a seeded drafter accepting position i with probability acceptance[i], over
+    generations of `gen_len` tokens (default: one long one).
     -> (modelled time for `tokens` tokens, tokens produced by drafting cycles)."""
     import random
 
     rng, time_, made, drafted_tokens = random.Random(seed), 0.0, 0, 0
+    gen_len = gen_len or tokens
     while made < tokens:
-        k = p.next_k()
-        if k == 0:
-            n = min(p.plain_run(), tokens - made)
-            p.observe(0, 0, float(n), tokens=n)
-            time_, made = time_ + n, made + n
-            continue
-        n = 0
-        while n < k and rng.random() < acceptance[min(n, len(acceptance) - 1)]:
-            n += 1
-        cost = 1.2 + 0.1 * k
-        p.observe(k, n, cost)
-        time_, made, drafted_tokens = time_ + cost, made + n + 1, drafted_tokens + n + 1
+        p.begin()
+        in_gen = 0
+        while in_gen < gen_len:
+            remaining = gen_len - in_gen
+            wanted = p.next_k()
+            k = min(wanted, remaining - 1)
+            if k <= 0:
+                n = min(p.plain_run(), remaining) if wanted <= 0 else 1
+                if wanted <= 0:
+                    p.observe(0, 0, float(n), tokens=n)
+                time_, in_gen = time_ + n, in_gen + n
+                continue
+            n = 0
+            while n < k and rng.random() < acceptance[min(n, len(acceptance) - 1)]:
+                n += 1
+            cost = 1.2 + 0.1 * k
+            p.observe(k, n, cost)
+            time_, in_gen, drafted_tokens = time_ + cost, in_gen + min(n + 1, remaining), drafted_tokens + n + 1
+        made += gen_len
     return time_, drafted_tokens
+
+
+def test_a_useless_drafter_costs_under_five_percent_even_in_short_generations():
+    for gen_len in (40, 100):  # plain stretches and probing bursts carry across generations
+        time_, drafted = simulate(AdaptivePolicy(max_k=8), [0.0], 2000, 0, gen_len)
+        assert time_ <= 2000 / 0.95, gen_len
 
 
 def test_a_useless_drafter_costs_under_five_percent():
