@@ -203,8 +203,7 @@ class Engine:
         if first in cfg.stop_tokens:
             return
 
-        if hasattr(policy, "begin"):
-            policy.begin()
+        policy.begin()
         t_decode = time.perf_counter()
         while stats.generated < cfg.max_tokens:
             remaining = cfg.max_tokens - stats.generated

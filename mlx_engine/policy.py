@@ -31,6 +31,9 @@ class FixedPolicy:
     def next_k(self) -> int:
         return self.k
 
+    def begin(self) -> None:
+        pass
+
     def plain_run(self) -> int:
         return 1 << 30
 
@@ -55,7 +58,6 @@ class AdaptivePolicy:
     acceptance: list = field(default_factory=list)  # conditional acceptance estimate per draft position
     hits: list = field(default_factory=list)  # decayed accepted counts per position
     tries: list = field(default_factory=list)  # decayed drafted counts per position
-    cycles: int = 0
     stretch: int = 16
     best: int = 1
     _burst: int = 0  # drafting cycles left in the current burst
@@ -67,6 +69,9 @@ class AdaptivePolicy:
     _untimed: bool = False  # the next drafting cycle carries the drafter's catch-up
     _since_probe: int = 0
     _up: bool = False
+
+    def _avg(self, old: float | None, new: float, weight: float) -> float:
+        return new if old is None else old + weight * (new - old)
 
     def expected_tokens(self, k: int) -> float:
         total, run = 1.0, 1.0
@@ -102,7 +107,6 @@ class AdaptivePolicy:
         return self._burst_k
 
     def next_k(self) -> int:
-        self.cycles += 1
         if self._burst > 0:
             self._burst -= 1
             return self._burst_k
@@ -146,10 +150,8 @@ class AdaptivePolicy:
         """One cycle at length k (or, for k = 0, a plain stretch of `tokens` tokens that took `seconds`)."""
         if k == 0:
             if tokens > 0:  # a stretch weighs by its length: its first token is not pipelined
-                old = self.cost.get(0)
-                per_token = seconds / tokens
                 weight = 1.0 - (1.0 - self.smoothing) ** (tokens / 8)
-                self.cost[0] = per_token if old is None else old + weight * (per_token - old)
+                self.cost[0] = self._avg(self.cost.get(0), seconds / tokens, weight)
             self._untimed = True
             self._plain_left -= tokens
             self._last_stretch += tokens
@@ -158,8 +160,7 @@ class AdaptivePolicy:
             return
         self._last_stretch = 0
         if not self._untimed or k not in self.cost:
-            old = self.cost.get(k)
-            self.cost[k] = seconds if old is None else old + self.smoothing * (seconds - old)
+            self.cost[k] = self._avg(self.cost.get(k), seconds, self.smoothing)
         self._untimed = False
         decay = 1.0 - 1.0 / self.window
         for i in range(min(n_accepted + 1, k)):  # positions the draft reached with all before accepted

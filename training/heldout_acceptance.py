@@ -63,14 +63,13 @@ def main(argv=None) -> int:
         hits = n = 0
         for full, n_prompt, h, greedy in seqs:
             x = mx.array(full[1:], dtype=mx.int32)  # slot p: (t_{p+1}, h_p)
-            out = layer(drafter._embed(x), h[:-1], layer_cache := drafter.head.make_cache()[0])
+            out = layer(drafter._embed(x), h[:-1], drafter.head.make_cache()[0])
             draft = np.array(mx.argmax(drafter._logits(0, out, []), axis=-1))
             # slot p drafts t_{p+2}; the target's choice there is greedy[p+1]. Answer tokens from the 2nd on:
             # p + 2 >= n_prompt + 1
             lo, hi = n_prompt - 1, len(full) - 2
             hits += int((draft[lo:hi] == greedy[lo + 1 : hi + 1]).sum())
             n += hi - lo
-            del layer_cache
         print(f"{path}: depth-1 acceptance {hits / n:.3f} over {n} drafts", flush=True)
     return 0
 
