@@ -7,21 +7,35 @@ position i. It picks the k (0 = plain decoding) that maximises expected tokens p
     E(k) = 1 + a_1 + a_1 a_2 + ... + a_1..a_k        tokens per cycle
     S(k) = E(k) / T(k)                                T(k): seconds per cycle at length k
 
-a_i is a Beta-smoothed estimate from decayed counts (memory of about `window` drafts per position), so one
-lucky or unlucky draft does not flip the choice. T(k) is a moving average; unmeasured lengths are
-extrapolated linearly from the two nearest measured ones. The first drafting cycle after a plain stretch is
-not timed: it carries the drafter's catch-up over the stretch, which is the stretch's cost, not k's.
+a_i is a Beta-smoothed estimate from decayed counts, so one lucky or unlucky draft does not flip the
+choice. The memory is about `window` tokens of text: counts decay with each draft at their position and
+with each token decoded plainly, so after a long plain stretch the next burst measures the text as it is
+now. T(k) is a moving average; unmeasured lengths are extrapolated linearly from the two nearest measured
+ones. The first drafting cycle after a plain stretch is not timed: it carries the drafter's catch-up over
+the stretch, which is the stretch's cost, not k's.
 
 While drafting wins, every `probe_every` cycles it tries a neighbour of the best k (k+1, then k-1, which
 can be a short plain stretch), so a change of text or of costs is noticed. While plain decoding wins, the
 engine decodes plainly (pipelined, as fast as `--drafter none`) for a stretch of tokens, then drafts a
-burst of cycles (at least `probe_cycles`, ~1/16 of the stretch) to re-measure acceptance; the stretch
-doubles while drafting keeps losing. A useless drafter so costs a few percent at most (a burst cycle
-that drafts in vain costs one verify pass for one token), and a drafter near break-even is re-measured
-with enough drafts to come back.
+burst of up to ~1/16 of the stretch's tokens (at least `probe_cycles`) to re-measure acceptance; the
+stretch doubles while drafting keeps losing. A burst ends early once even the upper confidence bound of
+its own acceptance loses to plain decoding, so a useless drafter costs a few cycles per stretch (a cycle
+that drafts in vain costs one verify pass for one token), while a drafter near break-even gets the whole
+burst, enough drafts to come back.
 """
 
+import math
 from dataclasses import dataclass, field
+
+
+def wilson_upper(hits: float, tries: float, z: float = 1.64) -> float:
+    """One-sided ~95% upper confidence bound on a success rate from `hits` of `tries` (Wilson score)."""
+    if tries <= 0:
+        return 1.0
+    p, z2 = hits / tries, z * z
+    centre = p + z2 / (2 * tries)
+    spread = z * math.sqrt(p * (1 - p) / tries + z2 / (4 * tries * tries))
+    return min(1.0, (centre + spread) / (1 + z2 / tries))
 
 
 class FixedPolicy:
@@ -63,6 +77,8 @@ class AdaptivePolicy:
     _burst: int = 0  # drafting cycles left in the current burst
     _burst_k: int = 1
     _in_burst: bool = False
+    _burst_hits: int = 0  # first-position accepts and drafts of the current burst alone
+    _burst_tries: int = 0
     _plain_left: int = 0  # plain tokens still owed to the current stretch (carried across generations)
     _last_stretch: int = 0
     _after_plain: bool = False  # a plain stretch just ended
@@ -104,19 +120,37 @@ class AdaptivePolicy:
     def _start_burst(self, cycles: int) -> int:
         self._burst_k = self.choose(lowest=1) if len(self.cost) >= 2 else 1
         self._burst, self._in_burst = cycles - 1, True
+        self._burst_hits = self._burst_tries = 0
         return self._burst_k
+
+    def _burst_hopeless(self) -> bool:
+        """The burst so far rules drafting out: even the upper confidence bound of its own first-position
+        acceptance would not make drafting at the burst's k beat plain decoding. Ends a useless drafter's
+        burst after a few cycles; a drafter near break-even keeps its whole burst."""
+        k = self._burst_k
+        if self._burst_tries < self.probe_cycles or k not in self.cost or 0 not in self.cost:
+            return False
+        upper = wilson_upper(self._burst_hits, self._burst_tries)
+        rest = self.expected_tokens(k) - 1.0
+        first = self.acceptance[0] if self.acceptance else self.prior_acceptance
+        optimistic = 1.0 + upper * (rest / first if first > 0 else 1.0)  # E(k) with a_1 at its upper bound
+        return optimistic / self.cost[k] < 1.0 / self.cost[0]
 
     def next_k(self) -> int:
         if self._burst > 0:
-            self._burst -= 1
-            return self._burst_k
+            if self._burst_hopeless():
+                self._burst = 0
+            else:
+                self._burst -= 1
+                return self._burst_k
         if 0 not in self.cost or self._plain_left > 0:
             return 0  # bootstrap (time plain decoding first), or the rest of a plain stretch
         if self._after_plain:
             self._after_plain = False
             if len(self.cost) < 2:
                 return self._start_burst(self.bootstrap_cycles)
-            if self.choose() == 0:  # a burst in proportion to the stretch: ~1/16 of the tokens re-measure
+            if self.best == 0 or self.choose() == 0:  # plain was chosen (not a probe): re-measure in a
+                # burst in proportion to the stretch, ~1/16 of its tokens, cut short if hopeless
                 return self._start_burst(max(self.probe_cycles, self._last_stretch // 16))
         if self._in_burst:
             self._in_burst = False
@@ -148,10 +182,16 @@ class AdaptivePolicy:
 
     def observe(self, k: int, n_accepted: int, seconds: float, tokens: int = 1) -> None:
         """One cycle at length k (or, for k = 0, a plain stretch of `tokens` tokens that took `seconds`)."""
+        decay = 1.0 - 1.0 / self.window
         if k == 0:
             if tokens > 0:  # a stretch weighs by its length: its first token is not pipelined
                 weight = 1.0 - (1.0 - self.smoothing) ** (tokens / 8)
                 self.cost[0] = self._avg(self.cost.get(0), seconds / tokens, weight)
+                # acceptance evidence fades with the text decoded since: after a long stretch the next
+                # burst measures the text as it is now, not as it was
+                self.hits = [h * decay**tokens for h in self.hits]
+                self.tries = [t * decay**tokens for t in self.tries]
+                self._estimate()
             self._untimed = True
             self._plain_left -= tokens
             self._last_stretch += tokens
@@ -162,13 +202,18 @@ class AdaptivePolicy:
         if not self._untimed or k not in self.cost:
             self.cost[k] = self._avg(self.cost.get(k), seconds, self.smoothing)
         self._untimed = False
-        decay = 1.0 - 1.0 / self.window
+        if self._in_burst:
+            self._burst_hits += int(n_accepted > 0)
+            self._burst_tries += 1
         for i in range(min(n_accepted + 1, k)):  # positions the draft reached with all before accepted
             while len(self.tries) <= i:
                 self.hits.append(0.0)
                 self.tries.append(0.0)
             self.hits[i] = self.hits[i] * decay + (1.0 if i < n_accepted else 0.0)
             self.tries[i] = self.tries[i] * decay + 1.0
+        self._estimate()
+
+    def _estimate(self) -> None:
         w, prior = self.prior_weight, self.prior_acceptance
         self.acceptance = [(h + prior * w) / (t + w) for h, t in zip(self.hits, self.tries)]
 
