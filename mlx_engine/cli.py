@@ -21,6 +21,9 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="hub repo id, local model folder, or .gguf file")
     p.add_argument("--drafter", default="none", help=f"one of {', '.join(DRAFTERS)} (default: none = plain decoding)")
     p.add_argument("--draft-model", help="draft model for --drafter draft (same tokenizer as --model)")
+    p.add_argument("--draft-vocab-subset",
+                   help="with --drafter draft: a safetensors file with a 'vocab_subset' array of token ids (e.g. a "
+                        "head from train-mtp --vocab-subset N); the draft scores only those tokens (cheaper, lossless)")
     p.add_argument("--mtp-weights",
                    help="safetensors file with the MTP head, or a GGUF with llama.cpp's nextn tensors (GLM-4.x), "
                         "for --drafter mtp")
@@ -93,6 +96,9 @@ def make_drafter(args, target: LoadedModel):
         raise UsageError(f"unknown drafter {name!r}; choose one of {', '.join(DRAFTERS)}")
     if name != "draft" and args.draft_model:
         raise UsageError("--draft-model is only used with --drafter draft")
+    subset_file = getattr(args, "draft_vocab_subset", None)
+    if name != "draft" and subset_file:
+        raise UsageError("--draft-vocab-subset is only used with --drafter draft")
     if name == "none":
         return None
     if name == "ngram":
@@ -103,7 +109,15 @@ def make_drafter(args, target: LoadedModel):
             raise UsageError("--drafter draft needs --draft-model PATH")
         draft = load(args.draft_model)
         check_same_tokenizer(target.tokenizer, draft.tokenizer, args.draft_model)
-        return DraftModelDrafter(draft.model, vocab)
+        subset = None
+        if subset_file:
+            from .drafters.vocab_subset import load_vocab_subset
+
+            try:
+                subset = load_vocab_subset(subset_file, vocab)
+            except (OSError, ValueError) as e:
+                raise UsageError(f"--draft-vocab-subset: {e}") from None
+        return DraftModelDrafter(draft.model, vocab, vocab_subset=subset)
     try:
         from .drafters.mtp import load_mtp_drafter
     except ImportError as e:

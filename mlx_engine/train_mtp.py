@@ -321,7 +321,7 @@ class Trainer:
         self.target, self.head, self.args = target, head, args
         self.layer = head.layers[0]
         ids = None if subset is None else mx.array(subset, dtype=mx.int32)
-        from .drafters.mtp.trained import output_rows
+        from .drafters.vocab_subset import output_rows
 
         vocab = target.vocab_size
         self.W = output_rows(target, ids if ids is not None else mx.arange(vocab, dtype=mx.int32)).astype(mx.float32)

@@ -65,6 +65,10 @@ def test_text_prompt_with_chat_template(dirs, capsys):
         (["--model", "{target}", "--prompt-tokens", ""], "prompt is empty"),
         (["--model", "{target}", "--prompt-tokens", "1,x"], "comma-separated integers"),
         (["--model", "{target}", "--prompt", "hi", "--drafter", "draft"], "needs --draft-model"),
+        (["--model", "{target}", "--prompt", "hi", "--drafter", "ngram", "--draft-vocab-subset", "x"],
+         "only used with --drafter draft"),
+        (["--model", "{target}", "--prompt", "hi", "--drafter", "draft", "--draft-model", "{target}",
+          "--draft-vocab-subset", "/no/such.safetensors"], "no vocabulary subset file"),
         (["--model", "{target}", "--prompt", "hi", "--temp", "-1"], "temperature must be >= 0"),
         (["--model", "{target}", "--prompt", "hi", "--top-p", "0"], "top-p must be in"),
         (["--model", "{target}", "--prompt-tokens", "1,99999"], "token ids must be in"),
@@ -76,6 +80,19 @@ def test_bad_input_gives_clear_error(dirs, capsys, argv, message):
     err = capsys.readouterr().err
     assert err.startswith("error: ") and message in err
     assert "Traceback" not in err
+
+
+def test_draft_vocab_subset_is_lossless(dirs, capsys, tmp_path):
+    import mlx.core as mx
+
+    subset = tmp_path / "subset.safetensors"
+    mx.save_safetensors(str(subset), {"vocab_subset": mx.arange(0, 320, 2, dtype=mx.int32)})
+    prompt = "5,9,13,21,9,13"
+    common = ["--model", dirs["target"], "--prompt-tokens", prompt, "--max-tokens", "24", "--ignore-eos"]
+    plain_out = run_json(capsys, *common)
+    draft_out = run_json(capsys, *common, "--drafter", "draft", "--draft-model", dirs["target"],
+                         "--draft-vocab-subset", str(subset), "--num-draft", "2")
+    assert draft_out["tokens"] == plain_out["tokens"]
 
 
 def test_module_entry_point(dirs):

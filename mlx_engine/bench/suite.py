@@ -87,7 +87,16 @@ def build_modes(args, model, draft_model, mtp, random_mtp) -> list[Mode]:
         return Mode(name, lambda p, n, t, s: run_engine(engine, p, n, t, s, k), "engine")
 
     modes.append(engine_mode("engine plain", None, 0))
-    drafters = {"draft": lambda: DraftModelDrafter(draft_model, model.args.vocab_size), "ngram": NgramDrafter}
+    subset = None
+    if args.draft_vocab_subset:
+        from ..drafters.vocab_subset import load_vocab_subset
+
+        try:
+            subset = load_vocab_subset(args.draft_vocab_subset, model.args.vocab_size)
+        except (OSError, ValueError) as e:
+            raise SystemExit(f"error: --draft-vocab-subset: {e}") from None
+    drafters = {"draft": lambda: DraftModelDrafter(draft_model, model.args.vocab_size, vocab_subset=subset),
+                "ngram": NgramDrafter}
     if mtp is not None:
         drafters["mtp"] = mtp
     for name, make in drafters.items():
@@ -157,6 +166,9 @@ def main(argv=None) -> int:
     ap.add_argument("--model", help="model (default: the embedded SmolLM2-135M-Instruct, fp32)")
     ap.add_argument("--draft-model", default="layers:6",
                     help="draft model for mlx-lm and --drafter draft: a path, or layers:N = the target's first N layers (default layers:6)")
+    ap.add_argument("--draft-vocab-subset",
+                    help="engine draft modes score only the token ids of this file's 'vocab_subset' array (e.g. the "
+                         "MTP head file); mlx-lm's draft modes always score the full vocabulary")
     ap.add_argument("--mtp-weights", help="MTP head file (default: found next to the model)")
     ap.add_argument("--random-head", action="store_true", help="also run auto with a randomly initialised MTP head")
     ap.add_argument("--suite", default="chat", help="prompt suite in bench/prompts (chat, code, long)")

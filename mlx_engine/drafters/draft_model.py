@@ -1,16 +1,21 @@
 """A separate small draft model with the target's tokenizer.
 
+With `vocab_subset` (token ids) the draft scores its final hidden state only against those rows of its own
+output matrix (drafters/vocab_subset.py): a cheaper draft step, still lossless.
+
 The draft cache holds every committed token except the last and the `pending` ones (tokens kept after a
 rollback, or the last draft after a full accept); `propose` feeds pending + last, then its own drafts.
 """
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
 
 from .. import cache as cache_ops
 from .. import host
 from ..sampling import SamplingConfig, choose
 from .base import Draft, Verdict
+from .vocab_subset import SubsetOutput
 
 
 def _fit_vocab(logits: mx.array, vocab: int) -> mx.array:
@@ -28,10 +33,19 @@ class DraftModelDrafter:
     name = "draft"
     needs_hidden = False
 
-    def __init__(self, model: nn.Module, vocab_size: int, prefill_step: int = 2048):
+    def __init__(self, model: nn.Module, vocab_size: int, prefill_step: int = 2048,
+                 vocab_subset: mx.array | None = None):
         self.model = model
         self.vocab_size = vocab_size  # the target's output size
         self.prefill_step = prefill_step
+        self._subset = self._draft = None
+        if vocab_subset is not None:
+            from ..target import Target
+
+            self._draft = Target(model)  # captures the final-normed hidden state its output layer scores
+            dtype = next((v.dtype for _, v in tree_flatten(model.parameters()) if mx.issubdtype(v.dtype, mx.floating)),
+                         mx.float32)
+            self._subset = SubsetOutput(self._draft, vocab_subset, vocab_size, dtype)
         self.cache: list = []
         self.history: list[int] = []
         self.pending: list[int] = []
@@ -40,6 +54,13 @@ class DraftModelDrafter:
 
     def _forward(self, tokens: mx.array) -> mx.array:
         return self.model(tokens[None], cache=self.cache)[0]
+
+    def _next_logits(self, tokens: mx.array) -> mx.array:
+        """Feed tokens; logits [1, V] (the target's output size) for the token after the last one."""
+        if self._subset is None:
+            return _fit_vocab(self._forward(tokens)[-1:], self.vocab_size)
+        _, h = self._draft.forward(tokens, self.cache, hidden=True)  # the full logits stay lazy, unused
+        return self._subset(h[-1:])
 
     def begin(self, tokens: list[int], hidden: mx.array | None = None) -> None:
         self.cache = cache_ops.make_cache(self.model)
@@ -60,7 +81,7 @@ class DraftModelDrafter:
         x = mx.array(feed)
         tokens, probs = [], []
         for i in range(k):
-            logits = _fit_vocab(self._forward(x)[-1:], self.vocab_size)
+            logits = self._next_logits(x)
             context = mx.concatenate([window, *tokens]) if window is not None else None
             tok, p = choose(logits, context, sampling, keys[i])
             tokens.append(tok)

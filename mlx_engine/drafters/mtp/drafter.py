@@ -27,6 +27,7 @@ from ... import cache as cache_ops
 from ... import host
 from ...sampling import SamplingConfig, choose
 from ..base import Draft, Verdict
+from ..vocab_subset import SubsetOutput
 
 
 class MTPLayer(nn.Module):
@@ -104,13 +105,9 @@ class MTPDrafter:
         self._k = 0
         # reduced draft vocabulary: the subset's rows of the target's output matrix, gathered once
         self.vocab_subset = head.vocab_subset
-        self._sub_w = None
+        self._subset = None
         if self.vocab_subset is not None:
-            from .trained import output_rows
-
-            self._sub_w = output_rows(self.target, self.vocab_subset)
-            self._sub_w = self._sub_w.astype(self._float_dtype())
-            host.wait([self._sub_w])
+            self._subset = SubsetOutput(self.target, self.vocab_subset, self.target.vocab_size, self._float_dtype())
 
     # -- pieces ------------------------------------------------------------------------------------
     @property
@@ -136,11 +133,8 @@ class MTPDrafter:
         layer = self.head.layers[i]
         if "head" in layer:
             return layer.head(h)
-        if self._sub_w is not None:
-            small = h @ self._sub_w.T  # [n, S]
-            full = mx.full((h.shape[0], self.target.vocab_size), -mx.inf, dtype=small.dtype)
-            full[:, self.vocab_subset] = small
-            return full
+        if self._subset is not None:
+            return self._subset(h)
         return self.target.lm_head(h)
 
     def _feed_pending(self) -> None:

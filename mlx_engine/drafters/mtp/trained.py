@@ -14,15 +14,14 @@ rejection sampling).
 
 from __future__ import annotations
 
-import mlx.core as mx
 import mlx.nn as nn
 
 from ...models.hf_weights import MTPWeightsError
+from ..vocab_subset import SUBSET_KEY  # noqa: F401 (the head file's key, read by the loader)
 from .common import text_module
 from .drafter import MTPHead, MTPLayer
 
 FAMILY = "trained"
-SUBSET_KEY = "vocab_subset"
 
 
 def is_trained(meta: dict | None) -> bool:
@@ -55,16 +54,3 @@ def build(model: nn.Module, tc: dict | None = None, keys=None) -> MTPHead:
     args = text_module(model).args
     eps = float(getattr(args, "rms_norm_eps", None) or getattr(args, "layer_norm_epsilon", 1e-6))
     return MTPHead(FAMILY, [MTPLayer(args.hidden_size, eps, make_block(model), "eh")])
-
-
-def output_rows(target, ids: mx.array) -> mx.array:
-    """Rows `ids` of the target's output matrix (lm_head, or the tied embedding), dequantized, [S, H]."""
-    text = target.text
-    head = getattr(text, "lm_head", None)
-    if head is None:
-        return target.inner.embed_tokens(ids)  # tied: the embedding rows ARE the output rows
-    if isinstance(head, nn.QuantizedLinear):
-        return mx.dequantize(head.weight[ids], head.scales[ids],
-                             None if head.get("biases") is None else head.biases[ids],
-                             group_size=head.group_size, bits=head.bits, mode=getattr(head, "mode", "affine"))
-    return head.weight[ids]
