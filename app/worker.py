@@ -72,9 +72,9 @@ class LivePolicy:
             return min(self.inner.plain_run(), 64)
         return self.PLAIN_STRETCH
 
-    def begin(self) -> None:
+    def begin(self, regime=None) -> None:
         if self.inner is not None:
-            self.inner.begin()
+            self.inner.begin(regime)
 
     def observe(self, k: int, n_accepted: int, seconds: float, tokens: int = 1) -> None:
         if self.inner is not None:

@@ -203,7 +203,7 @@ class Engine:
         if first in cfg.stop_tokens:
             return
 
-        policy.begin()
+        policy.begin(sampling)  # what the adaptive policy learns is kept per sampling config
         t_decode = time.perf_counter()
         while stats.generated < cfg.max_tokens:
             remaining = cfg.max_tokens - stats.generated

@@ -24,6 +24,7 @@ that drafts in vain costs one verify pass for one token), while a drafter near b
 burst, enough drafts to come back.
 """
 
+import copy
 import math
 from dataclasses import dataclass, field
 
@@ -45,7 +46,7 @@ class FixedPolicy:
     def next_k(self) -> int:
         return self.k
 
-    def begin(self) -> None:
+    def begin(self, regime=None) -> None:
         pass
 
     def plain_run(self) -> int:
@@ -85,6 +86,8 @@ class AdaptivePolicy:
     _untimed: bool = False  # the next drafting cycle carries the drafter's catch-up
     _since_probe: int = 0
     _up: bool = False
+    _regime: object = None  # the regime (sampling config) being learnt; others are kept in _learnt
+    _learnt: dict = field(default_factory=dict)
 
     def _avg(self, old: float | None, new: float, weight: float) -> float:
         return new if old is None else old + weight * (new - old)
@@ -172,9 +175,23 @@ class AdaptivePolicy:
             return probe
         return self.best
 
-    def begin(self) -> None:
-        """A new generation: its first drafting cycle carries the drafter's prefill, so it is not timed."""
+    def begin(self, regime=None) -> None:
+        """A new generation: its first drafting cycle carries the drafter's prefill, so it is not timed.
+
+        `regime` (the engine passes the sampling config): what was learnt is kept per regime, since a draft
+        accepted at temperature 0 is not accepted alike at 0.7, nor does a sampled cycle cost the same."""
+        if regime != self._regime:
+            self._learnt[self._regime] = copy.deepcopy(self._state())
+            vars(self).update(self._learnt.pop(regime, None) or self._fresh_state())
+            self._regime = regime
         self._untimed = True
+
+    def _state(self) -> dict:
+        """Everything learnt or in progress (every field but the settings and the per-regime store)."""
+        return {k: v for k, v in vars(self).items() if k not in _SETTINGS and k not in ("_learnt", "_regime")}
+
+    def _fresh_state(self) -> dict:
+        return type(self)(**{k: getattr(self, k) for k in _SETTINGS})._state()
 
     def plain_run(self) -> int:
         """Tokens to decode plainly now that next_k() returned 0 (what is left of the stretch)."""
@@ -216,6 +233,11 @@ class AdaptivePolicy:
     def _estimate(self) -> None:
         w, prior = self.prior_weight, self.prior_acceptance
         self.acceptance = [(h + prior * w) / (t + w) for h, t in zip(self.hits, self.tries)]
+
+
+# the settings of AdaptivePolicy (a new setting goes here; every other field is learnt state)
+_SETTINGS = ("max_k", "probe_every", "probe_cycles", "bootstrap_tokens", "bootstrap_cycles", "smoothing", "window",
+             "prior_acceptance", "prior_weight", "min_stretch", "max_stretch")
 
 
 def make_policy(num_draft: int | str, max_k: int = 8):

@@ -70,17 +70,17 @@ def test_catch_up_cycle_after_a_plain_stretch_is_not_timed():
 
 
 def simulate(p: AdaptivePolicy, acceptance: list[float], tokens: int, seed: int = 0,
-             gen_len: int | None = None, base: float = 1.2) -> tuple[float, int]:
+             gen_len: int | None = None, base: float = 1.2, regime=None) -> tuple[float, int]:
     """Drive the policy the way the engine does with modelled costs (plain token 1, a cycle drafting k
     base + 0.1 k) and a seeded drafter accepting position i with probability acceptance[i], over
-    generations of `gen_len` tokens (default: one long one).
+    generations of `gen_len` tokens (default: one long one), each begun in `regime`.
     -> (modelled time for `tokens` tokens, tokens produced by drafting cycles)."""
     import random
 
     rng, time_, made, drafted_tokens = random.Random(seed), 0.0, 0, 0
     gen_len = gen_len or tokens
     while made < tokens:
-        p.begin()
+        p.begin(regime)
         in_gen = 0
         while in_gen < gen_len:
             remaining = gen_len - in_gen
@@ -220,3 +220,16 @@ def test_auto_stops_drafting_a_useless_drafter_and_stays_lossless():
         tokens = [t for s in engine.generate(PROMPT, GenerationConfig(max_tokens=64, num_draft="auto")) for t in s.tokens]
         assert tokens == plain("qwen3_next")
     assert engine.stats.drafted <= 8  # a few probes; the rest decoded plainly
+
+
+def test_what_is_learnt_is_kept_per_sampling_regime():
+    p = AdaptivePolicy(max_k=8)
+    simulate(p, [0.9], 2000, regime="greedy")  # drafting pays
+    greedy_best, greedy_acceptance = p.best, list(p.acceptance)
+    assert greedy_best > 1
+    p.begin("sampled")  # another regime starts from scratch ...
+    assert p.cost == {} and p.acceptance == [] and p.max_k == 8
+    simulate(p, [0.0], 2000, regime="sampled")  # ... and learns that drafting does not pay there
+    assert p.best == 0
+    p.begin("greedy")  # back: what was learnt for greedy decoding is intact
+    assert p.best == greedy_best and p.acceptance == greedy_acceptance
