@@ -19,6 +19,7 @@ from gguf.constants import MODEL_ARCH, MODEL_TENSORS, TENSOR_NAMES
 from gguf.quants import dequantize, quantize
 from mlx.utils import tree_flatten
 
+from gguf_writer_util import ATTN_NAMES
 from hf_writer import read_hf, read_safetensors, text_cfg, write_checkpoint, write_safetensors
 from mlx_engine import Engine, GenerationConfig
 from mlx_engine.__main__ import main
@@ -30,11 +31,7 @@ N_TOKENS = 40
 
 # HF module (under model.layers.N.) -> llama.cpp tensor (under blk.N.)
 _BLOCK = {
-    "input_layernorm": "attn_norm",
-    "self_attn.q_proj": "attn_q",
-    "self_attn.k_proj": "attn_k",
-    "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output",
+    **ATTN_NAMES,
     "self_attn.q_norm": "attn_q_norm",
     "self_attn.k_norm": "attn_k_norm",
     "post_attention_layernorm": "post_attention_norm",
