@@ -92,9 +92,22 @@ def probabilities(logits: mx.array, cfg: SamplingConfig) -> mx.array:
     return mx.softmax(x, axis=-1)
 
 
-def sample(probs: mx.array, key: mx.array) -> mx.array:
-    """One token per row from [n, V] probabilities."""
-    return mx.random.categorical(mx.log(probs), axis=-1, key=key)
+def sample(probs: mx.array, key: mx.array | None, uniform: mx.array | None = None) -> mx.array:
+    """One token per row from [n, V] probabilities (need not sum to 1), by inverting the CDF:
+
+        token = min{j : p_j > 0 and cumsum(p)_j > u * sum(p)},   u ~ U[0, 1), one per row ([n, 1] `uniform`,
+                                                                  else drawn from `key`)
+
+    One random number per row instead of V (Gumbel-max, mx.random.categorical, draws V): 0.25 against
+    1.8 ms a row for V = 49152 on this CPU. A token of probability 0 is never drawn; if rounding leaves no
+    crossing, the last token of positive probability is taken (as the fused acceptance kernel does)."""
+    if uniform is None:
+        uniform = mx.random.uniform(shape=(probs.shape[0], 1), key=key)
+    cdf = mx.cumsum(probs, axis=-1)
+    positive = probs > 0
+    hit = positive & (cdf > uniform * cdf[:, -1:])
+    last = (probs.shape[-1] - 1) - mx.argmax(positive[:, ::-1], axis=-1)
+    return mx.where(hit.any(axis=-1), mx.argmax(hit, axis=-1), last).astype(mx.int32)
 
 
 def choose(logits: mx.array, context: mx.array | None, cfg: SamplingConfig, key: mx.array | None):

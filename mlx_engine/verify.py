@@ -16,6 +16,8 @@ the residual is p_i with x_i removed.
 
 import mlx.core as mx
 
+from .sampling import sample
+
 
 def _pack(n_accepted: mx.array, tokens: mx.array) -> mx.array:
     return mx.concatenate([n_accepted.reshape(1), tokens]).astype(mx.int32)
@@ -45,7 +47,9 @@ def accept_sampled(
 ) -> mx.array:
     """target_probs: [k+1, V]; draft_tokens: [k]; draft_probs: [k, V] or None (deterministic draft).
 
-    Returns [k+2] (see module doc). Uses two random draws from `key`: k uniforms and one categorical.
+    Returns [k+2] (see module doc). Uses two random draws from `key`: k uniforms for the accept tests and
+    one for the inverse-CDF sample of the next token (the same draws kernels/acceptance.py's fused kernel
+    is given by `uniforms_from_key`).
     """
     k = draft_tokens.shape[0]
     accept_key, sample_key = mx.random.split(key)
@@ -62,8 +66,8 @@ def accept_sampled(
     rows = mx.concatenate([residual, target_probs[k:]], axis=0)  # row i: where to sample after i accepts
     row = mx.take(rows, n, axis=0)
     mass = row.sum()
-    row = mx.where(mass > 0, row / mass, mx.take(target_probs, n, axis=0))
-    nxt = mx.random.categorical(mx.log(row), key=sample_key)
+    row = mx.where(mass > 0, row, mx.take(target_probs, n, axis=0))
+    nxt = sample(row[None], None, mx.random.uniform(key=sample_key).reshape(1, 1))[0]  # the kernel's uniform
 
     pos = mx.arange(k + 1)
     drafts = mx.concatenate([draft_tokens, mx.zeros((1,), draft_tokens.dtype)])

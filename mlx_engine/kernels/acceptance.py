@@ -15,8 +15,8 @@ Sampling (Leviathan et al. / Chen et al.), with p = target and q = draft_probs (
     next = min{j : r_j > 0 and cdf_j > s * sum(r)} with cdf = cumsum(r), s = sample_uniform
            (inverse-CDF sampling; if rounding leaves no such j: the last j with r_j > 0; 0 if r == 0).
 This is the math of `mlx_engine.verify.accept_greedy` / `accept_sampled`, with the random draws passed
-in: given the same uniforms, n_accepted is identical; the next token follows the same distribution
-(verify.py draws it with Gumbel-max from a key, here it is an inverse CDF of `sample_uniform`).
+in: given the same uniforms (`uniforms_from_key` draws verify.py's), n_accepted is identical, and so is
+the next token but for rounding (both sample it by inverse CDF of `sample_uniform`).
 
 The fused kernel (metal_kernels/acceptance.metal, .cu twin) runs one threadgroup of TG threads: greedy
 rows are reduced only up to the first mismatch; sampling needs two passes over one row (chunk sums,
