@@ -21,6 +21,7 @@ class Result:
     drafted_at: list = field(default_factory=list)
     accepted_at: list = field(default_factory=list)
     peak_memory: int = 0
+    wall: float = 0.0  # seconds from the call to the last token, prefill included (end to end)
 
 
 def run_mlx_lm(model, prompt: list[int], max_tokens: int, temp: float, seed: int, draft_model=None, k: int = 0) -> Result:
@@ -30,6 +31,7 @@ def run_mlx_lm(model, prompt: list[int], max_tokens: int, temp: float, seed: int
 
     mx.random.seed(seed)
     mx.reset_peak_memory()
+    start = time.perf_counter()
     sampler = make_sampler(temp=temp)
     if draft_model is None:
         steps = ((tok, False) for tok, _ in generate_step(mx.array(prompt), model, max_tokens=max_tokens, sampler=sampler))
@@ -42,19 +44,22 @@ def run_mlx_lm(model, prompt: list[int], max_tokens: int, temp: float, seed: int
         if n == 0:
             t0 = time.perf_counter()
         accepted += bool(from_draft)
-    seconds = time.perf_counter() - t0
+    end = time.perf_counter()
+    seconds = end - t0
     cycles = n - accepted  # every non-draft token closes one verify cycle (the first came from prefill)
     return Result(n, seconds, cycles=max(cycles, 1), drafted=k * max(cycles, 1) if draft_model is not None else 0,
-                  accepted=accepted, peak_memory=mx.get_peak_memory())
+                  accepted=accepted, peak_memory=mx.get_peak_memory(), wall=end - start)
 
 
 def run_engine(engine: Engine, prompt: list[int], max_tokens: int, temp: float, seed: int, k) -> Result:
     cfg = GenerationConfig(max_tokens=max_tokens, num_draft=k, sampling=SamplingConfig(temperature=temp), seed=seed)
+    start = time.perf_counter()
     for _ in engine.generate(prompt, cfg):
         pass
+    wall = time.perf_counter() - start
     s = engine.stats
     return Result(s.generated - 1, s.decode_time, s.cycles, s.drafted, s.accepted, list(s.drafted_at),
-                  list(s.accepted_at), s.peak_memory)
+                  list(s.accepted_at), s.peak_memory, wall)
 
 
 @dataclass
