@@ -51,6 +51,8 @@ import mlx.optimizers as optim  # noqa: E402
 import numpy as np  # noqa: E402
 from mlx.utils import tree_flatten, tree_map, tree_unflatten  # noqa: E402
 
+from .drafters.vocab_subset import SUBSET_KEY, output_rows  # noqa: E402
+
 CKPT = "checkpoint"
 CACHE = "corpus_cache.safetensors"
 
@@ -301,7 +303,7 @@ def head_file_arrays(head, subset: np.ndarray | None, dtype=mx.bfloat16) -> dict
     arrays = {k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v
               for k, v in tree_flatten(head.parameters())}
     if subset is not None:
-        arrays["vocab_subset"] = mx.array(subset, dtype=mx.int32)
+        arrays[SUBSET_KEY] = mx.array(subset, dtype=mx.int32)
     return arrays
 
 
@@ -321,8 +323,6 @@ class Trainer:
         self.target, self.head, self.args = target, head, args
         self.layer = head.layers[0]
         ids = None if subset is None else mx.array(subset, dtype=mx.int32)
-        from .drafters.vocab_subset import output_rows
-
         vocab = target.vocab_size
         self.W = output_rows(target, ids if ids is not None else mx.arange(vocab, dtype=mx.int32)).astype(mx.float32)
         self.emb_table = target.inner.embed_tokens

@@ -53,6 +53,17 @@ class SubsetOutput:
         return full
 
 
+def check_subset_ids(ids: mx.array, vocab_size: int, source) -> mx.array:
+    """`ids` as int32 [S]; ValueError naming `source` when empty, not integer, or outside [0, vocab_size)
+    (vocab_size 0: unknown, not checked)."""
+    if ids.size == 0 or not mx.issubdtype(ids.dtype, mx.integer):
+        raise ValueError(f"{source}: '{SUBSET_KEY}' must be a non-empty integer array")
+    ids = ids.astype(mx.int32).reshape(-1)
+    if vocab_size and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
+        raise ValueError(f"{source}: '{SUBSET_KEY}' has token ids outside [0, {vocab_size})")
+    return ids
+
+
 def load_vocab_subset(path: str | Path, vocab_size: int) -> mx.array:
     """The `vocab_subset` int array of a safetensors file (e.g. a head trained with
     `train-mtp --vocab-subset N`), checked against the target's output size."""
@@ -66,8 +77,6 @@ def load_vocab_subset(path: str | Path, vocab_size: int) -> mx.array:
     ids = arrays.get(SUBSET_KEY)
     if ids is None:
         raise ValueError(f"{path} holds no '{SUBSET_KEY}' array (train-mtp --vocab-subset N writes one)")
-    if ids.ndim != 1 or ids.size == 0 or not mx.issubdtype(ids.dtype, mx.integer):
-        raise ValueError(f"{path}: '{SUBSET_KEY}' must be a non-empty 1-D integer array")
-    if int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
-        raise ValueError(f"{path}: '{SUBSET_KEY}' has token ids outside [0, {vocab_size})")
-    return ids.astype(mx.int32)
+    if ids.ndim != 1:
+        raise ValueError(f"{path}: '{SUBSET_KEY}' must be a 1-D array")
+    return check_subset_ids(ids, vocab_size, path)

@@ -29,6 +29,7 @@ from ...models.hf_weights import (
     read_weights,
     text_config,
 )
+from ..vocab_subset import SUBSET_KEY, check_subset_ids
 from .drafter import MTPDrafter, MTPHead, MTPLayer
 
 __all__ = [
@@ -216,15 +217,15 @@ def _load_trained(model: nn.Module, config: dict, path: Path, dtype) -> MTPHead:
     want = meta.get("target")
     if want and want != config.get("model_type"):
         raise HeadMismatchError(f"{path} holds a head trained for {want} but the target is {config.get('model_type')}")
-    subset = weights.pop(trained.SUBSET_KEY, None)
+    subset = weights.pop(SUBSET_KEY, None)
     head = trained.build(model, text_config(config))
     q = json.loads(meta["quantization"]) if meta.get("quantization") else None
     _fill(head, weights, q, "trained", str(path), model, dtype)
     if subset is not None:
-        vocab = int(text_config(config).get("vocab_size", 0) or 0)
-        subset = subset.astype(mx.int32).reshape(-1)
-        if subset.size == 0 or (vocab and (int(subset.max()) >= vocab or int(subset.min()) < 0)):
-            raise HeadMismatchError(f"{path}: vocab_subset ids out of range for a vocabulary of {vocab}")
+        try:
+            subset = check_subset_ids(subset, int(text_config(config).get("vocab_size", 0) or 0), path)
+        except ValueError as e:
+            raise HeadMismatchError(str(e)) from None
         head.set_vocab_subset(subset)
     head.eval()
     host.wait(head.parameters())

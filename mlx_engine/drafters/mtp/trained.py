@@ -17,7 +17,6 @@ from __future__ import annotations
 import mlx.nn as nn
 
 from ...models.hf_weights import MTPWeightsError
-from ..vocab_subset import SUBSET_KEY  # noqa: F401 (the head file's key, read by the loader)
 from .common import text_module
 from .drafter import MTPHead, MTPLayer
 
