@@ -39,6 +39,13 @@ def accept_greedy(target_logits: mx.array, draft_tokens: mx.array) -> mx.array:
     return _pack(n, best)
 
 
+def random_draws(key: mx.array, k: int) -> tuple[mx.array, mx.array]:
+    """The random draws of one sampled acceptance: (uniforms [k] for the accept tests, one uniform for the
+    inverse-CDF sample of the next token). The fused kernel (kernels/acceptance.py) is given the same."""
+    accept_key, sample_key = mx.random.split(key)
+    return mx.random.uniform(shape=(k,), key=accept_key), mx.random.uniform(key=sample_key)
+
+
 def accept_sampled(
     target_probs: mx.array,
     draft_tokens: mx.array,
@@ -47,12 +54,10 @@ def accept_sampled(
 ) -> mx.array:
     """target_probs: [k+1, V]; draft_tokens: [k]; draft_probs: [k, V] or None (deterministic draft).
 
-    Returns [k+2] (see module doc). Uses two random draws from `key`: k uniforms for the accept tests and
-    one for the inverse-CDF sample of the next token (the same draws kernels/acceptance.py's fused kernel
-    is given by `uniforms_from_key`).
+    Returns [k+2] (see module doc). The random draws are `random_draws(key, k)`.
     """
     k = draft_tokens.shape[0]
-    accept_key, sample_key = mx.random.split(key)
+    uniforms, sample_uniform = random_draws(key, k)
     p_draft = mx.take_along_axis(target_probs[:k], draft_tokens[:, None], axis=-1)[:, 0]
     if draft_probs is None:
         q_draft = mx.ones_like(p_draft)
@@ -60,14 +65,13 @@ def accept_sampled(
     else:
         q_draft = mx.take_along_axis(draft_probs, draft_tokens[:, None], axis=-1)[:, 0]
         residual = mx.maximum(target_probs[:k] - draft_probs, 0.0)
-    u = mx.random.uniform(shape=(k,), key=accept_key)
-    n = accepted_prefix(u * q_draft < p_draft)  # u < p/q without dividing by q
+    n = accepted_prefix(uniforms * q_draft < p_draft)  # u < p/q without dividing by q
 
     rows = mx.concatenate([residual, target_probs[k:]], axis=0)  # row i: where to sample after i accepts
     row = mx.take(rows, n, axis=0)
     mass = row.sum()
     row = mx.where(mass > 0, row, mx.take(target_probs, n, axis=0))
-    nxt = sample(row[None], None, mx.random.uniform(key=sample_key).reshape(1, 1))[0]  # the kernel's uniform
+    nxt = sample(row[None], None, sample_uniform.reshape(1, 1))[0]
 
     pos = mx.arange(k + 1)
     drafts = mx.concatenate([draft_tokens, mx.zeros((1,), draft_tokens.dtype)])

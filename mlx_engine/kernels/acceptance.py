@@ -15,8 +15,8 @@ Sampling (Leviathan et al. / Chen et al.), with p = target and q = draft_probs (
     next = min{j : r_j > 0 and cdf_j > s * sum(r)} with cdf = cumsum(r), s = sample_uniform
            (inverse-CDF sampling; if rounding leaves no such j: the last j with r_j > 0; 0 if r == 0).
 This is the math of `mlx_engine.verify.accept_greedy` / `accept_sampled`, with the random draws passed
-in: given the same uniforms (`uniforms_from_key` draws verify.py's), n_accepted is identical, and so is
-the next token but for rounding (both sample it by inverse CDF of `sample_uniform`).
+in: given the same uniforms (`uniforms_from_key` is verify.py's `random_draws`), n_accepted is identical,
+and so is the next token but for rounding (both sample it by inverse CDF of `sample_uniform`).
 
 The fused kernel (metal_kernels/acceptance.metal, .cu twin) runs one threadgroup of TG threads: greedy
 rows are reduced only up to the first mismatch; sampling needs two passes over one row (chunk sums,
@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from ..verify import random_draws
 from . import Launch, Op, build_kernel
 
 NAME = "acceptance"
@@ -92,12 +93,8 @@ def accept_reference(
     return mx.stack([n, nxt.astype(mx.int32)]).astype(mx.int32)
 
 
-def uniforms_from_key(key: mx.array, k: int) -> tuple[mx.array, mx.array]:
-    """(uniforms [k], sample_uniform) drawn so that the accept tests use exactly the uniforms
-    `mlx_engine.verify.accept_sampled(..., key)` uses (its first split); the sample uniform comes from
-    the second split."""
-    accept_key, sample_key = mx.random.split(key)
-    return mx.random.uniform(shape=(k,), key=accept_key), mx.random.uniform(key=sample_key)
+# (uniforms [k], sample_uniform) from a key: exactly the draws `mlx_engine.verify.accept_sampled` uses
+uniforms_from_key = random_draws
 
 
 def launch_spec(
