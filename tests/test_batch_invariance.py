@@ -56,6 +56,7 @@ def test_unquantized_model_is_invariant_too():
         assert np.array_equal(full, singles), f"k+1={n}"
 
 
+@pytest.mark.cpu_exact
 def test_stock_model_is_not_invariant():
     """What the patch is for: the stock quantized model differs between verify and single passes."""
     model = quantized("llama", 4, patched=False)
@@ -72,6 +73,7 @@ def test_patched_layers_use_the_batch_qmm_op():
     assert not any(type(m) is nn.QuantizedLinear for _, m in model.named_modules())
 
 
+@pytest.mark.cpu_exact
 def test_row_local_stock_ops_are_invariant_and_matmul_sdpa_are_not():
     """The docstring's claims about the stock CPU ops, checked here (rows alone vs rows of a batch)."""
     mx.random.seed(0)
