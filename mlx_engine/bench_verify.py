@@ -6,6 +6,11 @@ prints t(k+1) / t(1), the median of `--trials` calls. It then times the acceptan
 sampling) for the same vocabulary with the reference ops and, where a GPU backend exists, the fused
 kernel. Without `--model` it builds a random llama shaped like SmolLM2-135M (hidden 576, 30 layers,
 9 heads / 3 KV heads, vocab 49152, fp32).
+
+`--shape llama-8b` (or qwen3-30b-a3b, smollm2-135m; mlx_engine/bench/shapes.py) builds that random
+model on the device (4-bit) and prints stock and batch-invariant ("fused": make_batch_invariant, the
+kernels of mlx_engine/kernels) t(k+1) side by side, both against stock t(1), the fused t(1) against
+stock t(1), and whether each path's 8-token verify pass equals 8 single steps bit for bit.
 """
 
 from __future__ import annotations
@@ -77,6 +82,47 @@ def time_verify_forward(model, prefill: int, max_len: int, trials: int, seed: in
     return out
 
 
+def verify_equals_singles(model, n: int = 8, prefill: int = 64) -> bool:
+    """Whether an n-token pass over a prefilled cache gives the logits of n single-token passes, bit for bit."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    vocab = model.args.vocab_size
+    toks = mx.random.randint(0, vocab, (1, prefill + n), key=mx.random.key(5))
+    a, b = make_prompt_cache(model), make_prompt_cache(model)
+    mx.eval(model(toks[:, :prefill], cache=a), model(toks[:, :prefill], cache=b))
+    full = model(toks[:, prefill:], cache=a)[0]
+    singles = mx.concatenate([model(toks[:, prefill + i : prefill + i + 1], cache=b)[0] for i in range(n)])
+    return bool(mx.array_equal(full, singles).item())
+
+
+def shape_table(name: str, layers: int | None, prefill: int, max_len: int, trials: int) -> int:
+    """Stock against batch-invariant verify cost on a random model of a named shape."""
+    from . import kernels
+    from .batch_invariant import make_batch_invariant
+    from .bench.shapes import build, describe
+
+    model = build(name, layers=layers)
+    print(f"model:   {describe(name, layers)}")
+    print(f"device:  {mx.default_device()}")
+    stock = time_verify_forward(model, prefill, max_len, trials)
+    stock_exact = verify_equals_singles(model)
+    make_batch_invariant(model)
+    print(f"kernels: " + ", ".join(f"{op}={b}" for op, b in kernels.describe().items()))
+    if all(b == "reference" for b in kernels.describe().values()):
+        print("note:    no GPU backend: the fused path runs the CPU references of the kernels")
+    fused = time_verify_forward(model, prefill, max_len, trials)
+    fused_exact = verify_equals_singles(model)
+    t1 = stock[1]
+    print(f"\nverify forward over a {prefill}-token KV cache, median of {trials} (ratios against stock t(1) = {t1:.2f} ms)")
+    print(f"{'k+1':>4} {'stock ms':>9} {'stock':>6} {'fused ms':>9} {'fused':>6}")
+    for L in stock:
+        print(f"{L:>4} {stock[L]:>9.2f} {stock[L] / t1:>6.2f} {fused[L]:>9.2f} {fused[L] / t1:>6.2f}")
+    print(f"\nfused t(1) / stock t(1) = {fused[1] / t1:.2f}")
+    print(f"8-token verify == 8 single steps, bit for bit: stock {'yes' if stock_exact else 'no'}, "
+          f"fused {'yes' if fused_exact else 'no'}")
+    return 0
+
+
 def time_acceptance(vocab: int, ks: list[int], trials: int, seed: int = 0) -> list[dict]:
     """Median ms of the acceptance step for each k (k + 1 target rows), reference and fused."""
     from . import kernels
@@ -114,7 +160,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layers", type=int, default=30, help="default model: layers")
     ap.add_argument("--hidden", type=int, default=576, help="default model: hidden size")
     ap.add_argument("--vocab", type=int, default=49152, help="default model: vocabulary")
+    ap.add_argument("--shape", help="a random model shaped like a real one (llama-8b, qwen3-30b-a3b, smollm2-135m): "
+                    "stock and batch-invariant t(k+1) side by side")
+    ap.add_argument("--shape-layers", type=int, help="with --shape: fewer layers than the real model")
     args = ap.parse_args(argv)
+    if args.shape:
+        from .bench.shapes import SHAPES
+
+        if args.shape not in SHAPES:
+            ap.error(f"unknown --shape {args.shape!r}; known: {', '.join(SHAPES)}")
+        return shape_table(args.shape, args.shape_layers, args.prefill, args.max_len, args.trials)
 
     from . import kernels
 
