@@ -66,6 +66,11 @@ def default_dtype() -> mx.Dtype | None:
     return mx.float32 if mx.default_device() == mx.cpu else None
 
 
+def _could_not_load(path: Path, e: Exception) -> str:
+    """The loader's message, prefixed with the model's path unless it names a file of the model already."""
+    return str(e) if str(path) in str(e) else f"could not load {path}: {e}"
+
+
 def default_model() -> str:
     """The embedded default, SmolLM2-135M-Instruct with its trained MTP head (built in the cache on first
     use: mlx_engine.default_model)."""
@@ -94,7 +99,7 @@ def load(path_or_repo: str | None = None, dtype: mx.Dtype | None | str = "auto",
         try:
             model, tokenizer, config = load_gguf(path, dtype=dtype)
         except (ValueError, KeyError, RuntimeError) as e:
-            raise ModelLoadError(f"could not load {path}: {e}") from e
+            raise ModelLoadError(_could_not_load(path, e)) from e
         return LoadedModel(model, tokenizer, config, path)
     if path.is_file():
         raise ModelLoadError(f"{path} is a file but not a .gguf; expected a model folder or a GGUF file")
@@ -112,7 +117,7 @@ def load(path_or_repo: str | None = None, dtype: mx.Dtype | None | str = "auto",
         if not lazy:
             mx.eval(model.parameters())
     except (ValueError, FileNotFoundError, KeyError) as e:
-        raise ModelLoadError(f"could not load {path}: {e}") from e
+        raise ModelLoadError(_could_not_load(path, e)) from e
     except RuntimeError as e:  # MLX's reader: a truncated or corrupt weights file
         raise ModelLoadError(f"could not load {path}: a weights file is truncated or corrupt ({e})") from e
     return LoadedModel(model, tokenizer, config, path)
