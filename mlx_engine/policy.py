@@ -72,6 +72,7 @@ class AdaptivePolicy:
     window: float = 128.0  # memory of the acceptance counts, in drafts per position
     prior_acceptance: float = 0.5  # Beta prior: optimistic enough that unobserved positions get tried
     prior_weight: float = 2.0
+    min_step_cost: float = 0.05  # extrapolated cycle costs grow by at least this many plain tokens per draft
     min_stretch: int = 16
     max_stretch: int = 512
     cost: dict = field(default_factory=dict)  # k -> seconds per cycle (per token for k = 0)
@@ -115,8 +116,11 @@ class AdaptivePolicy:
         known = sorted(self.cost, key=lambda j: (abs(j - k), j))
         if len(known) < 2:
             return None
-        a, b = sorted(known[:2])  # linear in k through the two nearest measured lengths
-        slope = max((self.cost[b] - self.cost[a]) / (b - a), 0.0)
+        a, b = sorted(known[:2])  # linear in k through the two nearest measured lengths, but never flatter
+        # than `min_step_cost` plain tokens per drafted token: a noisy or flat pair of measures (a k = 1 cycle
+        # timed as cheap as a plain token) must not make k = 8 look free
+        floor = self.min_step_cost * self.cost.get(0, min(self.cost.values()))
+        slope = max((self.cost[b] - self.cost[a]) / (b - a), floor)
         return self.cost[a] + slope * (k - a)
 
     def speed(self, k: int) -> float:
@@ -243,13 +247,19 @@ class AdaptivePolicy:
         self._estimate()
 
     def _estimate(self) -> None:
-        w, prior = self.prior_weight, self.prior_acceptance
-        self.acceptance = [(h + prior * w) / (t + w) for h, t in zip(self.hits, self.tries)]
+        """Beta-smoothed conditional acceptance per position; a deeper position's prior is no higher than
+        the estimate of the position before it (drafts rarely get easier further out), so a position seen a
+        few times does not look better than the evidence above it."""
+        w, estimates = self.prior_weight, []
+        for h, t in zip(self.hits, self.tries):
+            prior = min(self.prior_acceptance, estimates[-1]) if estimates else self.prior_acceptance
+            estimates.append((h + prior * w) / (t + w))
+        self.acceptance = estimates
 
 
 # the settings of AdaptivePolicy (a new setting goes here; every other field is learnt state)
 _SETTINGS = ("max_k", "probe_every", "probe_cycles", "bootstrap_tokens", "bootstrap_cycles", "smoothing", "window",
-             "prior_acceptance", "prior_weight", "min_stretch", "max_stretch")
+             "prior_acceptance", "prior_weight", "min_step_cost", "min_stretch", "max_stretch")
 
 
 def make_policy(num_draft: int | str, max_k: int = 8):

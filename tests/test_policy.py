@@ -40,6 +40,22 @@ def test_picks_plain_decoding_when_drafts_are_rejected():
     assert stretches[-1] == p.max_stretch
 
 
+def test_a_flat_pair_of_costs_does_not_make_long_drafts_look_free():
+    # a k = 1 cycle timed as cheap as a plain token (noise, or the drafter's upkeep inside plain tokens):
+    # extrapolating that flat would price k = 8 like k = 1 and pick it at any acceptance
+    p = trained({0: 1.0, 1: 1.0}, [0.3])
+    assert p.estimated_cost(8) >= 1.0 + 7 * p.min_step_cost
+    assert p.choose() == 1
+
+
+def test_a_deeper_position_looks_no_better_than_the_one_before():
+    p = AdaptivePolicy(max_k=4)
+    for _ in range(40):
+        p.observe(1, 0, 1.0)  # position 1: mostly rejected
+    p.observe(2, 2, 1.2)  # position 2 reached once, and accepted
+    assert p.acceptance[1] <= p.acceptance[0] + 1 / (1 + p.prior_weight)  # one accept against a low prior
+
+
 def test_observations_update_costs_and_conditional_acceptance():
     p = AdaptivePolicy(max_k=4, smoothing=1.0, prior_weight=0.0)
     p.observe(0, 0, 0.5, tokens=10)
