@@ -74,7 +74,8 @@ def first_answer(drafter: str, settings: Settings, messages: list[dict], max_tok
     drafting = [i + 1 for i, k in enumerate(policy.ks) if k > 0]
     return {"drafter": loaded.drafter, "decode_tps": st["decode_tps"], "generated": st["generated"],
             "acceptance": st["acceptance_rate"], "drafted": st["drafted"], "error": done.error,
-            "first_drafting_cycle": drafting[0] if drafting else None, "ks": policy.ks[:24]}
+            "first_drafting_cycle": drafting[0] if drafting else None, "ks": policy.ks[:24],
+            "special_tokens_in_text": any(m in done.text for m in ("<|im_end|>", "<|im_start|>", "<|endoftext|>"))}
 
 
 def main() -> int:
@@ -100,7 +101,8 @@ def main() -> int:
                             "ratio": ratio, "load": os.getloadavg()[0]})
             print(f"{row['id']} round {r} ({order[0]} first): default {spec['decode_tps']:.2f} tok/s "
                   f"({spec['generated']} tok, acceptance {spec['acceptance']:.2f}, first drafted at cycle "
-                  f"{spec['first_drafting_cycle']}, k {spec['ks'][:8]}) | plain {plain['decode_tps']:.2f} tok/s "
+                  f"{spec['first_drafting_cycle']}, k {spec['ks'][:8]}, special tokens in the text: "
+                  f"{spec['special_tokens_in_text'] or plain['special_tokens_in_text']}) | plain {plain['decode_tps']:.2f} tok/s "
                   f"({plain['generated']} tok) | ratio {ratio:.3f} | load {results[-1]['load']:.2f}", flush=True)
     ratios = [x["ratio"] for x in results]
     total = (sum(x["default"]["generated"] for x in results), sum(x["plain"]["generated"] for x in results))
