@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: setup chat test test-slow test-all clean
+.PHONY: setup chat test test-slow test-all test-gpu clean
 
 setup: $(STAMP)
 
@@ -23,6 +23,13 @@ test-slow: $(STAMP)
 
 test-all: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# On a GPU machine, with MLX's CUDA or Metal back-end importable by $(GPU_PY) (no venv needed; for the
+# lent CUDA machines see README "On a GPU"): the fast suite minus the Metal emulator and the TUI, in the
+# GPU's own arithmetic (tests marked cpu_exact skip themselves there).
+GPU_PY ?= python3
+test-gpu:
+	$(GPU_PY) -m pytest -m "not slow" -p no:cacheprovider --ignore=tests/test_app.py --ignore=tests/test_metal_emulator.py $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -1,17 +1,22 @@
-// CUDA twin of batch_qmm.metal (body for mx.fast.cuda_kernel). Same inputs/outputs/template
-// constants (T, M, BITS, GS, R) and launch: grid (32, ceil(N/R), 1), threadgroup (32, SG, 1) ->
-// blocks of (32, SG) threads; a warp is one threadIdx.y row and owns R output columns. The
-// reduction order is the one documented in batch_qmm.metal (explicit trees, explicit butterfly,
-// __fmul_rn/__fadd_rn so that nvcc never contracts into FMA), hence batch invariant.
+// CUDA twin of batch_qmm.metal (body for mx.fast.cuda_kernel, header common.cuh). Same inputs,
+// outputs, template constants (T, BITS, GS, R, GATHER, XDIV), launch (grid (32, ceil(N/R), 1 or P),
+// threadgroup (32, SG, 1): a warp is one threadIdx.y row and owns R output columns) and the same
+// arithmetic in the same order: per 32-value chunk a chain of fma for p and of adds for xs, then
+// acc = acc + fma(scale, p, bias * xs), chunks in order, a xor butterfly 1..16. Every operation is an
+// explicit __fmaf_rn / __fadd_rn / __fmul_rn, so NVRTC cannot contract or reorder anything and each
+// row of a launch is bit-for-bit its 1-row launch. The row loop is not unrolled (the row count is a
+// runtime bound: one compiled kernel serves 1 to 16 rows); weights and activations are read with
+// 16-byte loads.
 
-constexpr int VPT = 8;
-constexpr int WPL = VPT * BITS / 32;
+constexpr int MAXR = 16;
+constexpr int CH = 32;
 constexpr int PER_WORD = 32 / BITS;
-constexpr int STEP = 32 * VPT;
+constexpr int WPC = CH / PER_WORD;     // words per chunk: 4 (4-bit) or 8 (8-bit)
 constexpr unsigned MASK = (1u << BITS) - 1u;
 constexpr unsigned FULL = 0xffffffffu;
 const int K = int(x_shape[1]);
-const int N = int(w_shape[0]);
+const int N = int(w_shape[GATHER ? 1 : 0]);
+const int C = K / CH;
 const int n_groups = K / GS;
 const int wrow = K / PER_WORD;
 const int lane = int(threadIdx.x);
@@ -19,9 +24,31 @@ const int n0 = int(blockIdx.y * blockDim.y + threadIdx.y) * R;
 if (n0 >= N) {
   return;  // whole warp (same threadIdx.y) leaves together; no block-level barrier below
 }
+int M = min(int(x_shape[0]), MAXR);  // rows of this launch (gather: pairs routed to this expert)
+int rows[MAXR];                      // gather: the pairs, in increasing order
+size_t ebase = 0;                    // gather: the expert's first weight row
+if (GATHER) {
+  const int P = int(idx_shape[0]);
+  const int p = int(blockIdx.z);
+  const uint32_t e = idx[p];
+  M = 0;
+  for (int q = 0; q < P; ++q) {  // uniform over the block: every thread reads the same entries
+    if (idx[q] == e) {
+      if (q < p) {
+        return;  // not the first pair of its expert: that pair's block does the work
+      }
+      if (M < MAXR) {
+        rows[M] = q;
+      }
+      M += 1;
+    }
+  }
+  M = min(M, MAXR);
+  ebase = size_t(e) * size_t(N);
+}
 
-float acc[M][R];
-#pragma unroll
+float acc[MAXR][R];
+#pragma unroll 1
 for (int m = 0; m < M; ++m) {
 #pragma unroll
   for (int r = 0; r < R; ++r) {
@@ -29,56 +56,66 @@ for (int m = 0; m < M; ++m) {
   }
 }
 
-for (int k0 = lane * VPT; k0 < K; k0 += STEP) {
+for (int c = lane; c < C; c += 32) {
+  const int k0 = c * CH;
   const int g = k0 / GS;
-  float q[R][VPT];
+  float q[R][CH];
   float sc[R];
   float bi[R];
 #pragma unroll
   for (int r = 0; r < R; ++r) {
-    const int n = min(n0 + r, N - 1);
-    auto wp = w + size_t(n) * size_t(wrow) + size_t(k0 / PER_WORD);
+    const size_t n = ebase + size_t(min(n0 + r, N - 1));  // columns past N: garbage, never stored
+    const size_t wbase = n * size_t(wrow) + size_t(c) * WPC;
 #pragma unroll
-    for (int wi = 0; wi < WPL; ++wi) {
-      const unsigned word = wp[wi];
+    for (int j = 0; j < WPC; j += 4) {
+      const uint4 u = mlxe_ld_u4(w + wbase + j);
+      const unsigned ws[4] = {u.x, u.y, u.z, u.w};
 #pragma unroll
-      for (int i = 0; i < PER_WORD; ++i) {
-        q[r][wi * PER_WORD + i] = float((word >> (unsigned(i) * BITS)) & MASK);
+      for (int jj = 0; jj < 4; ++jj) {
+#pragma unroll
+        for (int i = 0; i < PER_WORD; ++i) {  // exact: 2^23 + q as a float, minus 2^23
+          const unsigned code = (ws[jj] >> (unsigned(i) * BITS)) & MASK;
+          q[r][(j + jj) * PER_WORD + i] = __fadd_rn(__uint_as_float(0x4B000000u | code), -8388608.0f);
+        }
       }
     }
-    sc[r] = static_cast<float>(scales[size_t(n) * size_t(n_groups) + size_t(g)]);
-    bi[r] = static_cast<float>(biases[size_t(n) * size_t(n_groups) + size_t(g)]);
+    sc[r] = static_cast<float>(scales[n * size_t(n_groups) + size_t(g)]);
+    bi[r] = static_cast<float>(biases[n * size_t(n_groups) + size_t(g)]);
   }
-#pragma unroll
+#pragma unroll 1
   for (int m = 0; m < M; ++m) {
-    auto xr = x + size_t(m) * size_t(K) + size_t(k0);
-    float xv[VPT];
-#pragma unroll
-    for (int i = 0; i < VPT; ++i) {
-      xv[i] = static_cast<float>(xr[i]);
-    }
-    const float xs = __fadd_rn(__fadd_rn(__fadd_rn(xv[0], xv[1]), __fadd_rn(xv[2], xv[3])),
-                               __fadd_rn(__fadd_rn(xv[4], xv[5]), __fadd_rn(xv[6], xv[7])));
+    const int xr = GATHER ? rows[m] / XDIV : m;
+    const size_t xbase = size_t(xr) * size_t(K) + size_t(k0);
+    float xs = 0.0f;
+    float p[R];
 #pragma unroll
     for (int r = 0; r < R; ++r) {
-      float p[VPT];
+      p[r] = 0.0f;
+    }
 #pragma unroll
-      for (int i = 0; i < VPT; ++i) {
-        p[i] = __fmul_rn(xv[i], q[r][i]);
+    for (int s = 0; s < CH / 8; ++s) {
+      float xv[8];
+      mlxe_ld_f8(x + (xbase + size_t(s * 8)), xv);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        xs = __fadd_rn(xs, xv[i]);
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+          p[r] = __fmaf_rn(xv[i], q[r][s * 8 + i], p[r]);
+        }
       }
-      const float dq = __fadd_rn(__fadd_rn(__fadd_rn(p[0], p[1]), __fadd_rn(p[2], p[3])),
-                                 __fadd_rn(__fadd_rn(p[4], p[5]), __fadd_rn(p[6], p[7])));
-      const float a = __fmul_rn(sc[r], dq);
-      const float b = __fmul_rn(bi[r], xs);
-      acc[m][r] = __fadd_rn(acc[m][r], __fadd_rn(a, b));
+    }
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      acc[m][r] = __fadd_rn(acc[m][r], __fmaf_rn(sc[r], p[r], __fmul_rn(bi[r], xs)));
     }
   }
 }
 
+#pragma unroll 1
+for (int m = 0; m < M; ++m) {
 #pragma unroll
-for (int r = 0; r < R; ++r) {
-#pragma unroll
-  for (int m = 0; m < M; ++m) {
+  for (int r = 0; r < R; ++r) {
     float v = acc[m][r];
     v = __fadd_rn(v, __shfl_xor_sync(FULL, v, 1));
     v = __fadd_rn(v, __shfl_xor_sync(FULL, v, 2));
@@ -86,7 +123,8 @@ for (int r = 0; r < R; ++r) {
     v = __fadd_rn(v, __shfl_xor_sync(FULL, v, 8));
     v = __fadd_rn(v, __shfl_xor_sync(FULL, v, 16));
     if (lane == (m * R + r) % 32 && n0 + r < N) {
-      y[size_t(m) * size_t(N) + size_t(n0 + r)] = static_cast<T>(v);
+      const int row = GATHER ? rows[m] : m;
+      y[size_t(row) * size_t(N) + size_t(n0 + r)] = static_cast<T>(v);
     }
   }
 }

@@ -1,88 +1,120 @@
-// Small-batch affine-quantized matmul y = x @ dequantize(w).T with a fixed reduction order per row.
-// (Body for mx.fast.metal_kernel; wrapper, reference and the order contract:
+// Few-row affine-quantized matmul y = x @ dequantize(w).T, every row bit-identical to its 1-row launch,
+// dense or over MoE experts. (Body for mx.fast.metal_kernel; wrapper, reference and the order contract:
 // mlx_engine/kernels/batch_qmm.py.)
 //
-// inputs:  x [M, K] (T), w [N, K*BITS/32] uint32, scales [N, K/GS], biases [N, K/GS]
-// outputs: y [M, N] (T)
-// template: T, M (rows, 1..16), BITS (4 or 8), GS (group size 32/64/128), R (columns per SIMD group)
-// launch:  grid (32, ceil(N/R), 1), threadgroup (32, SG, 1): one SIMD group per R output columns.
+// dense  (GATHER false): x [M, K] (T, M <= 16), w [N, K*BITS/32] uint32, scales / biases [N, K/GS] (T)
+//          -> y [M, N]
+// gather (GATHER true):  x [X, K], w [E, N, K*BITS/32], scales / biases [E, N, K/GS], idx [P] (expert of
+//          pair p; pair p reads x row p / XDIV) -> y [P, N]. Threadgroup z = p handles the expert of pair p
+//          if p is its first pair, for all pairs routed to it (each expert's weights are read once).
+// template: T, BITS (4 or 8), GS (32/64/128), R (output columns per SIMD group), GATHER, XDIV
+// launch:  grid (32, ceil(N/R), 1 or P), threadgroup (32, SG, 1): one SIMD group per R columns.
 //
-// Each SIMD group reads every weight word of its R columns once and applies it to all M rows.
-// Lane l owns the 8-value chunks c = l, l+32, l+64, ... of K; per row and column:
-//   xs = ((x0+x1)+(x2+x3))+((x4+x5)+(x6+x7)),  dq = the same tree over x_i*q_i,
-//   acc_l += scale_g*dq + bias_g*xs   (chunks in increasing order),
-// then a shuffle_xor butterfly 1,2,4,8,16 (a pairwise tree in lane order). Nothing depends on M, so
-// row i of an M-row launch is bit-for-bit the 1-row result.
+// Each SIMD group reads every weight word of its R columns once, unpacks a 32-value chunk of codes into
+// registers and applies it to every row in turn. Lane l owns the chunks c = l, l+32, l+64, ... of K
+// (a chunk lies in one quantization group). Per row m and column n of a chunk:
+//   p  = x_0*q_0 + x_1*q_1 + ... + x_31*q_31   (a chain of fma, in order)
+//   xs = x_0 + x_1 + ... + x_31                 (in order)
+//   acc_l = acc_l + fma(scale_g, p, bias_g * xs)     (chunks in increasing order)
+// then a shuffle_xor butterfly 1, 2, 4, 8, 16 over the lanes (a pairwise tree in lane order).
+// The row count is a runtime loop bound and nothing of the above depends on it, on R or on the other
+// rows: each row of a launch is bit-for-bit the row of a 1-row launch.
 
-constexpr int VPT = 8;                 // values per lane and step
-constexpr int WPL = VPT * BITS / 32;   // packed words per lane and step (1 or 2)
-constexpr int PER_WORD = 32 / BITS;
-constexpr int STEP = 32 * VPT;
+constexpr int MAXR = 16;             // rows per launch (per expert)
+constexpr int CH = 32;               // values per lane and step
+constexpr int PER_WORD = 32 / BITS;  // values per uint32
+constexpr int WPC = CH / PER_WORD;   // words per chunk (4 or 8)
 constexpr uint MASK = (1u << BITS) - 1u;
 const int K = int(x_shape[1]);
-const int N = int(w_shape[0]);
+const int N = int(w_shape[GATHER ? 1 : 0]);
+const int C = K / CH;
 const int n_groups = K / GS;
 const int wrow = K / PER_WORD;
-const uint lane = thread_index_in_simdgroup;
+const int lane = int(thread_index_in_simdgroup);
 const int n0 = int(thread_position_in_grid.y) * R;
 if (n0 >= N) {
   return;  // the whole SIMD group (one grid row) leaves together
 }
+int M = min(int(x_shape[0]), MAXR);  // rows of this launch (gather: pairs routed to this expert)
+int rows[MAXR];                      // gather: the pairs, in increasing order
+size_t ebase = 0;                    // gather: the expert's first weight row
+if (GATHER) {
+  const int P = int(idx_shape[0]);
+  const int p = int(thread_position_in_grid.z);
+  const uint e = idx[p];
+  M = 0;
+  for (int q = 0; q < P; ++q) {  // uniform over the threadgroup: every thread reads the same entries
+    if (idx[q] == e) {
+      if (q < p) {
+        return;  // not the first pair of its expert: that pair's threadgroup does the work
+      }
+      if (M < MAXR) {
+        rows[M] = q;
+      }
+      M += 1;
+    }
+  }
+  M = min(M, MAXR);
+  ebase = size_t(e) * size_t(N);
+}
 
-float acc[M][R];
+float acc[MAXR][R];
 for (int m = 0; m < M; ++m) {
   for (int r = 0; r < R; ++r) {
     acc[m][r] = 0.0f;
   }
 }
 
-for (int k0 = int(lane) * VPT; k0 < K; k0 += STEP) {
+for (int c = lane; c < C; c += 32) {
+  const int k0 = c * CH;
   const int g = k0 / GS;
-  float q[R][VPT];
+  float q[R][CH];
   float sc[R];
   float bi[R];
   for (int r = 0; r < R; ++r) {
-    const int n = min(n0 + r, N - 1);  // columns past N compute garbage that is never stored
-    auto wp = w + size_t(n) * size_t(wrow) + size_t(k0 / PER_WORD);
-    for (int wi = 0; wi < WPL; ++wi) {
-      const uint word = wp[wi];
-      for (int i = 0; i < PER_WORD; ++i) {
-        q[r][wi * PER_WORD + i] = float((word >> (uint(i) * BITS)) & MASK);
+    const size_t n = ebase + size_t(min(n0 + r, N - 1));  // columns past N: garbage, never stored
+    const size_t wbase = n * size_t(wrow) + size_t(c) * WPC;
+    for (int j = 0; j < WPC; ++j) {
+      const uint word = w[wbase + j];
+      for (int i = 0; i < PER_WORD; ++i) {  // exact: 2^23 + q as a float, minus 2^23
+        q[r][j * PER_WORD + i] = as_type<float>(0x4B000000u | ((word >> (uint(i) * BITS)) & MASK)) - 8388608.0f;
       }
     }
-    sc[r] = static_cast<float>(scales[size_t(n) * size_t(n_groups) + size_t(g)]);
-    bi[r] = static_cast<float>(biases[size_t(n) * size_t(n_groups) + size_t(g)]);
+    sc[r] = static_cast<float>(scales[n * size_t(n_groups) + size_t(g)]);
+    bi[r] = static_cast<float>(biases[n * size_t(n_groups) + size_t(g)]);
   }
   for (int m = 0; m < M; ++m) {
-    auto xr = x + size_t(m) * size_t(K) + size_t(k0);
-    float xv[VPT];
-    for (int i = 0; i < VPT; ++i) {
-      xv[i] = static_cast<float>(xr[i]);
-    }
-    const float xs = ((xv[0] + xv[1]) + (xv[2] + xv[3])) + ((xv[4] + xv[5]) + (xv[6] + xv[7]));
+    const int xr = GATHER ? rows[m] / XDIV : m;
+    const size_t xbase = size_t(xr) * size_t(K) + size_t(k0);
+    float xs = 0.0f;
+    float p[R];
     for (int r = 0; r < R; ++r) {
-      float p[VPT];
-      for (int i = 0; i < VPT; ++i) {
-        p[i] = xv[i] * q[r][i];
+      p[r] = 0.0f;
+    }
+    for (int i = 0; i < CH; ++i) {
+      const float xv = static_cast<float>(x[xbase + i]);
+      xs = xs + xv;
+      for (int r = 0; r < R; ++r) {
+        p[r] = fma(xv, q[r][i], p[r]);
       }
-      const float dq = ((p[0] + p[1]) + (p[2] + p[3])) + ((p[4] + p[5]) + (p[6] + p[7]));
-      const float a = sc[r] * dq;
-      const float b = bi[r] * xs;
-      acc[m][r] = acc[m][r] + (a + b);
+    }
+    for (int r = 0; r < R; ++r) {
+      acc[m][r] = acc[m][r] + fma(sc[r], p[r], bi[r] * xs);
     }
   }
 }
 
-for (int r = 0; r < R; ++r) {
-  for (int m = 0; m < M; ++m) {
+for (int m = 0; m < M; ++m) {
+  for (int r = 0; r < R; ++r) {
     float v = acc[m][r];
     v = v + simd_shuffle_xor(v, ushort(1));
     v = v + simd_shuffle_xor(v, ushort(2));
     v = v + simd_shuffle_xor(v, ushort(4));
     v = v + simd_shuffle_xor(v, ushort(8));
     v = v + simd_shuffle_xor(v, ushort(16));
-    if (lane == uint((m * R + r) % 32) && n0 + r < N) {
-      y[size_t(m) * size_t(N) + size_t(n0 + r)] = static_cast<T>(v);
+    if (lane == (m * R + r) % 32 && n0 + r < N) {
+      const int row = GATHER ? rows[m] : m;
+      y[size_t(row) * size_t(N) + size_t(n0 + r)] = static_cast<T>(v);
     }
   }
 }

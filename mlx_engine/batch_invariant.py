@@ -1,55 +1,37 @@
 """Batch-invariant forward passes: a verify pass of k+1 tokens gives, bit for bit, the logits of k+1
-single-token passes (issue 6; anchors "Why verify is expensive" 2).
+single-token passes (anchors "Why verify is expensive" 1-3, 5; DESIGN "Exact on every device").
 
     from mlx_engine.batch_invariant import make_batch_invariant
     model = make_batch_invariant(model)     # in place; returns the model
 
-Why it is needed: with stock MLX the rows of an M-row pass are not computed by the same instruction
-sequence as a 1-row pass, so near-tie argmaxes flip between verify and plain decode. Measured on this
-machine (MLX 0.32.4, CPU; tests/test_batch_invariance.py checks the row-local claims and that the stock
-quantized model is not invariant end to end):
+Why: with stock MLX the rows of an M-row pass are not computed by the same instruction sequence as a
+1-row pass (qmv for one row, qmv per row then qmm for more; attention splits keys by launch size; MoE
+gathers sort pairs from 64 on; MLA switches from the absorbed to the expanded form for L > 1), so
+near-tie argmaxes flip between verify and plain decode. Row-local stock ops (embedding gather,
+`mx.fast.rms_norm`, RoPE with an offset, activations, residual adds) are invariant and left alone.
 
-  * fp32 `x @ W.T` (nn.Linear, tied `Embedding.as_linear`): NOT invariant. 1 row runs a gemv,
-    several rows a gemm (OpenBLAS sgemm / MLX's own), which block K differently (rows differ from M = 5 on in our probes).
-  * `mx.fast.scaled_dot_product_attention` with L queries + causal mask vs 1 query over the shorter
-    cache: NOT invariant (L >= 4..5 differs in our probes; also the key count of each row differs, so any
-    SIMD reduction over keys splits its tail differently).
-  * `mx.quantized_matmul` (affine 4/8-bit): invariant on the CPU in our probes, but that is an
-    implementation accident, not a contract, and on Metal it is NOT (qmv for 1 row, qmm / qmv_wide for
-    several: anchors 1-2). We route it through `kernels.get("batch_qmm")`, invariant by construction.
-  * Embedding gather, `mx.fast.rms_norm` (one row per reduction, independent of the row count), RoPE
-    with an offset, elementwise activations, the residual adds: invariant (row-local, same instruction
-    sequence per row). Nothing to patch.
+What it installs (parameters are untouched: every patched module keeps its arrays and names; we swap
+the instance's class for a subclass, as target.py does), for passes of up to `max_rows` rows:
 
-What `make_batch_invariant` installs (parameters are untouched: every patched module keeps its arrays
-and names; we swap the instance's class for a subclass, as target.py does):
+  * `nn.QuantizedLinear` / `nn.QuantizedEmbedding.as_linear` (affine 4/8-bit, group 32/64/128):
+    kernels "batch_qmm" (each weight read once for all rows; on the CPU its reference).
+  * `QuantizedSwitchLinear` in `SwitchGLU` (MoE experts): kernels "gather_qmm" (each expert read once
+    for all rows routed to it), the SwitchGLU without its sorting step.
+  * attention: the module-level `scaled_dot_product_attention` mlx-lm's attention layers call is
+    wrapped; while a patched model runs, causal / unmasked attention is kernels "batch_attention"
+    (reads the KV cache through its strides), other masks its reference.
+  * `nn.Linear` / tied `nn.Embedding.as_linear` (unquantized): one 1-row matmul per row (the op
+    sequence of single-token decode, so equal by construction; the weights are streamed once per row).
+  * modules with no invariant kernel, run one token at a time (exactly the decode computation, so
+    equal by construction): `SwitchGLU` over unquantized experts, MLA attention (modules with
+    `embed_q` / `unembed_out`: mlx-lm switches to the expanded form for L > 1), and MoE gates that
+    hold a raw weight matrix (`*Gate` modules such as DeepSeek's MoEGate).
 
-  * `nn.QuantizedLinear` (affine) -> y = batch_qmm(x2d, w, scales, biases, gs, bits) (+ bias), with x
-    reshaped [B, L, K] -> [B*L, K]. On Metal/CUDA that is the fused kernel (any M, launched in 16-row
-    groups, every row bit-equal to its 1-row launch; tests/test_metal_emulator.py checks the kernel rows
-    bit for bit). On the CPU reference, rows beyond `max_rows` (prefill) use `mx.quantized_matmul`: the
-    reference materialises [M, N, K] products and is far too slow for a prompt, and the contract only
-    covers verify-sized passes (<= max_rows rows).
-  * `nn.QuantizedEmbedding.as_linear` (quantized tied lm_head): the same batch_qmm path.
-  * `nn.Linear` (fp32/bf16, unquantized): for <= max_rows rows each row is its own 1-row matmul (the
-    op sequence of single-token decode, so equal by construction). Cost: the weights are streamed once
-    per row instead of once per pass (test_benchmark_fp32_row_split_cost, 2048x1024 fp32 on this shared
-    2-core CPU: 5-9 rows 4.5-8.3 ms vs 1.9-2.2 ms stock, 2-4x; 1 row the same). `nn.Embedding.as_linear` (tied fp32 lm_head) likewise.
-  * attention: the module-level `scaled_dot_product_attention` that mlx-lm's attention layers call is
-    wrapped; while a patched model runs, attention is computed by `invariant_attention`: scores as a
-    fixed pairwise tree over the head dimension, a masked softmax whose sum is a pairwise tree over the
-    keys padded with zeros to a power of two (adding exact zeros leaves every partial sum unchanged, so a
-    row with N keys and a masked row with N + extra keys give the same bits), and the value sum the same
-    way. Unpatched models in the same process keep the stock path (the switch is a context variable set
-    by the patched model's __call__).
-
-NOT covered (documented, not patched): MoE `gather_qmm` / `gather_mm` (SwitchGLU: experts routed per
-token; qwen3_next, deepseek), MLA's absorbed attention (deepseek_v3), quantized KV caches, the
-GatedDeltaNet conv1d + recurrence (see mlx_engine.hybrid: it uses the per-token `gdn_step`, whose rows
-are sequential by nature), non-affine quantization modes (mxfp4 / nvfp4 / mxfp8: left on
-`mx.quantized_matmul`). On a GPU the Metal compiler may contract a*b+c into an FMA: the patched model
-stays batch invariant (every row runs the same instructions) but can differ in the last bits from the
-CPU reference.
+Passes of more rows (prefill) run stock: the contract covers decode and verify. Not covered: quantized
+KV caches, attention sinks, non-affine quantization (mxfp4 / nvfp4 / mxfp8), the GatedDeltaNet
+recurrence (mlx_engine.hybrid uses the per-token `gdn_step`, sequential by nature). On a GPU the
+kernels use fused multiply-adds where the CPU references round twice: a patched model is batch
+invariant on every device, and its logits agree with the CPU's to float rounding.
 """
 
 from __future__ import annotations
@@ -59,8 +41,12 @@ import sys
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchGLU
 
 from . import kernels
+from .kernels.batch_attention import attention_reference as invariant_attention  # noqa: F401  (API)
+from .kernels.batch_attention import supported as attention_supported
+from .kernels.batch_attention import tree_sum  # noqa: F401  (API)
 
 MAX_ROWS = 16  # rows per pass covered by the contract (verify passes are k+1 <= 16)
 
@@ -68,66 +54,7 @@ _active: contextvars.ContextVar[bool] = contextvars.ContextVar("mlx_engine_batch
 
 
 # ---------------------------------------------------------------------------------------------------
-# fixed-order reductions
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
-def tree_sum(t: mx.array) -> mx.array:
-    """Sum over the last axis as a pairwise tree, the axis zero-padded to a power of two.
-
-    Extra zero padding leaves the result unchanged bit for bit (x + 0 == x), so summing n values, or
-    the same n values followed by zeros, gives the same bits whatever the padded length."""
-    n = t.shape[-1]
-    p = _next_pow2(n)
-    if p != n:
-        t = mx.pad(t, [(0, 0)] * (t.ndim - 1) + [(0, p - n)])
-    while t.shape[-1] > 1:
-        t = t[..., 0::2] + t[..., 1::2]
-    return t[..., 0]
-
-
-def invariant_attention(queries, keys, values, scale: float, mask=None, sinks=None) -> mx.array:
-    """Attention with the same op sequence for every query row, whatever L and the key count.
-
-    queries [B, Hq, L, D], keys / values [B, Hk, N, D(v)]; mask None | "causal" | bool [.., L, N]
-    (True = attend) | additive float. The causal mask aligns the L queries with the last L keys."""
-    if sinks is not None:
-        raise NotImplementedError("attention sinks are not supported on the batch-invariant path")
-    B, Hq, L, D = queries.shape
-    Hk, N = keys.shape[1], keys.shape[2]
-    if Hq != Hk:
-        rep = Hq // Hk
-        keys = mx.repeat(keys, rep, axis=1)
-        values = mx.repeat(values, rep, axis=1)
-    dtype = queries.dtype
-    q = queries.astype(mx.float32)
-    k = keys.astype(mx.float32)
-    v = values.astype(mx.float32)
-    scores = tree_sum(q[:, :, :, None, :] * k[:, :, None, :, :]) * scale  # [B, H, L, N]
-    allowed = None
-    if isinstance(mask, str):
-        if mask != "causal":
-            raise ValueError(f"unknown mask {mask!r}")
-        allowed = mx.arange(N)[None, :] <= (mx.arange(L) + (N - L))[:, None]
-    elif mask is not None:
-        if mask.dtype == mx.bool_:
-            allowed = mask
-        else:
-            scores = scores + mask.astype(mx.float32)
-    if allowed is not None:
-        scores = mx.where(allowed, scores, -mx.inf)
-    m = mx.max(scores, axis=-1, keepdims=True)  # max is exact in any order
-    e = mx.exp(scores - m)  # masked keys: exp(-inf) = +0, and they add nothing to the trees below
-    denom = tree_sum(e)[..., None]  # [B, H, L, 1]
-    out = tree_sum((e[..., None] * v[:, :, None, :, :]).swapaxes(-1, -2))  # [B, H, L, Dv]
-    return (out / denom).astype(dtype)
-
-
-# ---------------------------------------------------------------------------------------------------
-# module patches (class swaps; parameters untouched)
+# the row-splitting and kernel-backed forms of each patched op
 
 
 def _rows_2d(x: mx.array) -> mx.array:
@@ -136,9 +63,9 @@ def _rows_2d(x: mx.array) -> mx.array:
 
 def _qmm(x: mx.array, w, scales, biases, group_size: int, bits: int, max_rows: int) -> mx.array:
     x2 = _rows_2d(x)
-    if x2.shape[0] <= max_rows or kernels.backend("batch_qmm") != "reference":
+    if x2.shape[0] <= max_rows:
         y = kernels.get("batch_qmm")(x2, w, scales, biases, group_size, bits)
-    else:  # prompt-sized pass on the CPU reference: outside the contract, use the fast path
+    else:  # prefill: outside the contract, the fast stock path
         y = mx.quantized_matmul(x2, w, scales, biases, transpose=True, group_size=group_size, bits=bits)
     return y.reshape(*x.shape[:-1], w.shape[0])
 
@@ -154,6 +81,33 @@ def _matmul_t(x: mx.array, weight: mx.array, max_rows: int, bias=None) -> mx.arr
     else:
         y = one(x2)
     return y.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def _tokens(x: mx.array) -> int:
+    """Token rows of a [B, L, ...] activation."""
+    return x.shape[0] * x.shape[1]
+
+
+def _per_token(call, x: mx.array, *args, **kwargs):
+    """`call` on each token of x [B, L, ...] alone (mask None: the queries of a causal verify pass, one
+    at a time, are single-token decode steps), outputs concatenated along L."""
+    if "mask" in kwargs:
+        kwargs["mask"] = None
+    elif args:
+        args = (None,) + args[1:]
+    outs = [call(x[:, i : i + 1], *args, **kwargs) for i in range(x.shape[1])]
+    if isinstance(outs[0], tuple):
+        return tuple(mx.concatenate(parts, axis=1) for parts in zip(*outs))
+    return mx.concatenate(outs, axis=1)
+
+
+def _sliced_args(args: tuple, i: int) -> tuple:
+    """Per-token arguments of a [B, L, ...] call (arrays with an L axis are sliced, others passed)."""
+    return tuple(a[:, i : i + 1] if isinstance(a, mx.array) and a.ndim >= 2 else a for a in args)
+
+
+# ---------------------------------------------------------------------------------------------------
+# module patches (class swaps; parameters untouched)
 
 
 def _invariant_quantized(module) -> bool:
@@ -191,16 +145,112 @@ class _Embedding(nn.Embedding):
         return _matmul_t(x, self.weight, self._bi_rows)
 
 
-def _swap(module: nn.Module, base: type, patched: type, max_rows: int) -> None:
+class _QSwitchLinear(QuantizedSwitchLinear):
+    """Experts through kernels "gather_qmm": x [.., 1 or topk, 1, K] with indices [.., topk]."""
+
+    _mlx_engine_batch_invariant = True
+
+    def __call__(self, x, indices, sorted_indices=False):
+        topk = indices.shape[-1]
+        tokens = indices.size // topk
+        rows = x.size // x.shape[-1]
+        if not _active.get() or sorted_indices or tokens > self._bi_rows or rows not in (tokens, indices.size):
+            return super().__call__(x, indices, sorted_indices)
+        xdiv = topk if rows == tokens else 1
+        y = kernels.get("gather_qmm")(
+            _rows_2d(x), self["weight"], self["scales"], self["biases"], indices.reshape(-1),
+            self.group_size, self.bits, xdiv, tokens,
+        )
+        if "bias" in self:
+            y = y + self["bias"][indices.reshape(-1)]
+        return y.reshape(*indices.shape, 1, y.shape[-1])
+
+
+class _SwitchGLU(SwitchGLU):
+    """Verify-sized passes: quantized experts unsorted through _QSwitchLinear, others one token at a time."""
+
+    _mlx_engine_batch_invariant = True
+
+    def __call__(self, x, indices):
+        tokens = indices.size // indices.shape[-1]
+        if not _active.get() or tokens > self._bi_rows:
+            return super().__call__(x, indices)
+        projs = (self.gate_proj, self.up_proj, self.down_proj)
+        if not all(isinstance(p, _QSwitchLinear) for p in projs):
+            if x.ndim < 3 or x.shape[1] == 1:
+                return super().__call__(x, indices)
+            outs = [super(_SwitchGLU, self).__call__(x[:, i : i + 1], indices[:, i : i + 1]) for i in range(x.shape[1])]
+            return mx.concatenate(outs, axis=1)
+        x = mx.expand_dims(x, (-2, -3))
+        up = self.up_proj(x, indices)
+        gate = self.gate_proj(x, indices)
+        return self.down_proj(self.activation(up, gate), indices).squeeze(-2)
+
+
+def _per_token_class(cls: type) -> type:
+    """A subclass of cls whose verify-sized calls run one token at a time."""
+
+    def __call__(self, x, *args, **kwargs):
+        # the mask of a verify pass is causal over the cache (string or array): one token at a time
+        # with mask None is exactly what single-token decode runs
+        if not _active.get() or x.ndim < 3 or x.shape[1] == 1 or _tokens(x) > self._bi_rows:
+            return cls.__call__(self, x, *args, **kwargs)
+        return _per_token(lambda xi, *a, **kw: cls.__call__(self, xi, *a, **kw), x, *args, **kwargs)
+
+    return type(cls.__name__, (cls,), {"__call__": __call__, "_mlx_engine_batch_invariant": True})
+
+
+def _gate_per_token_class(cls: type) -> type:
+    """Raw-weight MoE gates ([B, L, H] -> per-token routing): one token at a time."""
+
+    def __call__(self, x, *args, **kwargs):
+        if not _active.get() or x.ndim < 3 or x.shape[1] == 1 or _tokens(x) > self._bi_rows:
+            return cls.__call__(self, x, *args, **kwargs)
+        outs = [cls.__call__(self, x[:, i : i + 1], *_sliced_args(args, i), **kwargs) for i in range(x.shape[1])]
+        if isinstance(outs[0], tuple):
+            return tuple(mx.concatenate(parts, axis=1) for parts in zip(*outs))
+        return mx.concatenate(outs, axis=1)
+
+    return type(cls.__name__, (cls,), {"__call__": __call__, "_mlx_engine_batch_invariant": True})
+
+
+def _is_mla_attention(m: nn.Module) -> bool:
+    return isinstance(getattr(m, "embed_q", None), nn.Module) and isinstance(getattr(m, "unembed_out", None), nn.Module)
+
+
+def _is_raw_gate(m: nn.Module) -> bool:
+    params = m.parameters()
+    return (
+        type(m).__name__.endswith("Gate")
+        and not isinstance(m, (nn.Linear, nn.QuantizedLinear))
+        and isinstance(params.get("weight"), mx.array)
+        and params["weight"].ndim == 2
+    )
+
+
+_CLASS_CACHE: dict[tuple[type, str], type] = {}
+
+
+def _swap(module: nn.Module, base: type | None, patched: type, max_rows: int) -> None:
     cls = type(module)
     if getattr(cls, "_mlx_engine_batch_invariant", False):
         object.__setattr__(module, "_bi_rows", max_rows)
         return
-    if cls is base:
+    if cls is base or base is None:
         module.__class__ = patched
     else:  # a subclass of the base: keep its own methods, put ours first
         module.__class__ = type(cls.__name__, (patched, cls), {})
     object.__setattr__(module, "_bi_rows", max_rows)  # not a parameter
+
+
+def _swap_generated(module: nn.Module, make, tag: str, max_rows: int) -> None:
+    cls = type(module)
+    if not getattr(cls, "_mlx_engine_batch_invariant", False):
+        key = (cls, tag)
+        if key not in _CLASS_CACHE:
+            _CLASS_CACHE[key] = make(cls)
+        module.__class__ = _CLASS_CACHE[key]
+    object.__setattr__(module, "_bi_rows", max_rows)
 
 
 def _wrap_attention_module(modname: str) -> None:
@@ -212,8 +262,13 @@ def _wrap_attention_module(modname: str) -> None:
         return
 
     def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None, **kw):
-        if _active.get() and not hasattr(cache, "bits") and not kw:
-            return invariant_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
+        plain = hasattr(cache, "bits") or kw or sinks is not None or queries.shape[2] > MAX_ROWS
+        if _active.get() and not plain:
+            if (mask is None or mask == "causal") and attention_supported(queries, keys, values):
+                # one query with no mask is the causal case too: one compiled kernel for decode and verify
+                causal = mask == "causal" or queries.shape[2] == 1
+                return kernels.get("batch_attention")(queries, keys, values, scale, causal)
+            return invariant_attention(queries, keys, values, scale, mask == "causal", mask=None if isinstance(mask, str) else mask)
         if sinks is not None:
             kw["sinks"] = sinks
         return original(queries, keys, values, cache=cache, scale=scale, mask=mask, **kw)
@@ -250,6 +305,14 @@ def make_batch_invariant(model: nn.Module, max_rows: int = MAX_ROWS, linear: boo
             _swap(m, nn.QuantizedLinear, _QLinear, max_rows)
         elif isinstance(m, nn.QuantizedEmbedding) and _invariant_quantized(m):
             _swap(m, nn.QuantizedEmbedding, _QEmbedding, max_rows)
+        elif isinstance(m, QuantizedSwitchLinear) and m.biases is not None and _invariant_quantized(m):
+            _swap(m, QuantizedSwitchLinear, _QSwitchLinear, max_rows)
+        elif isinstance(m, SwitchGLU):
+            _swap(m, SwitchGLU, _SwitchGLU, max_rows)
+        elif _is_mla_attention(m):
+            _swap_generated(m, _per_token_class, "per_token", max_rows)
+        elif _is_raw_gate(m):
+            _swap_generated(m, _gate_per_token_class, "gate", max_rows)
         elif linear and type(m) is nn.Linear or isinstance(m, _Linear):
             _swap(m, nn.Linear, _Linear, max_rows)
         elif linear and type(m) is nn.Embedding or isinstance(m, _Embedding):

@@ -12,20 +12,24 @@ _ROOT = str(Path(__file__).resolve().parents[1])
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
-from metal_kernels import source  # noqa: E402
+from metal_kernels import header, source  # noqa: E402
 from metal_kernels.emu import EmuKernel  # noqa: E402
 
 
-def emu_kernel(module, os_threads: bool = False, dialect: str = "metal") -> EmuKernel:
+def emu_kernel(module, os_threads: bool = False, dialect: str = "metal", max_threads: int = 1024) -> EmuKernel:
     """The emulated twin of the `mx.fast.metal_kernel` (dialect "metal") or `mx.fast.cuda_kernel`
-    (dialect "cuda") that a kernel module in mlx_engine/kernels builds."""
+    (dialect "cuda") that a kernel module in mlx_engine/kernels builds (max_threads: the threads per
+    threadgroup the simulated device allows this kernel)."""
     return EmuKernel(
         f"mlx_engine_{module.NAME}" + ("_cu" if dialect == "cuda" else ""),
         list(module.INPUT_NAMES),
         list(module.OUTPUT_NAMES),
         source(module.NAME, dialect),
+        header=header(dialect),
+        ensure_row_contiguous=getattr(module, "CONTIGUOUS", True),
         os_threads=os_threads,
         dialect=dialect,
+        max_threads=max_threads,
     )
 
 

@@ -65,6 +65,7 @@ def test_patched_layers_use_the_batch_qmm_op():
     assert not any(type(m) is nn.QuantizedLinear for _, m in model.named_modules())
 
 
+@pytest.mark.cpu_exact
 def test_row_local_stock_ops_are_invariant_and_matmul_sdpa_are_not():
     """The docstring's claims about the stock CPU ops, checked here (rows alone vs rows of a batch)."""
     mx.random.seed(0)

@@ -16,6 +16,7 @@ from mlx_engine import cache as cache_ops
 from mlx_engine.hybrid import enable_per_token_states
 from reference import mlx_lm_greedy
 from test_greedy_equality import PROMPT
+from device import ON_GPU
 
 FAMILIES = ("qwen3_next", "qwen3_5")
 VERIFY = [5, 99, 12, 250, 7, 8]
@@ -65,6 +66,7 @@ def prefilled(model):
     return cache
 
 
+@pytest.mark.cpu_exact  # on an H100 the per-token kernel differs from stock ops by ~1e-6 (FMA)
 @pytest.mark.parametrize("family", FAMILIES)
 def test_patched_layers_match_stock(family):
     stock, ours = build(family), build(family, patched=True)
@@ -156,6 +158,7 @@ def test_benchmark_per_token_vs_snapshot_replay(family):
     print(f"\n{family} k=4, 64 tokens: " + ", ".join(f"{n}: {t * 1e3:.0f} ms (replayed {r} tokens, acceptance {a:.2f})" for n, (t, r, a) in results.items()))
 
 
+@pytest.mark.skipif(ON_GPU, reason="GatedDeltaNet layers (conv1d, recurrence) are not batch invariant on a GPU yet")
 def test_with_batch_invariance_rollback_is_bit_exact():
     """Together with make_batch_invariant (dense qwen3_5: no MoE gather), the state after rollback to any
     prefix equals bit for bit the state of feeding those tokens one at a time."""

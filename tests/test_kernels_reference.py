@@ -153,6 +153,7 @@ def test_acceptance_launch_spec():
 QMM_CONFIGS = [(bits, gs) for bits in (4, 8) for gs in (32, 64, 128)]
 
 
+@pytest.mark.cpu_exact
 @pytest.mark.parametrize("bits,gs", QMM_CONFIGS)
 def test_unpack_matches_mx_dequantize(bits, gs):
     W = mx.random.normal((8, 256), key=mx.random.key(bits * gs))
@@ -196,8 +197,11 @@ def test_qmm_reference_tiles_do_not_change_bits(monkeypatch):
 def test_qmm_launch_spec_and_argument_checks():
     x, w, s, b, gs, bits = Q.make_case(5, 256, 18, 64, 4, seed=1)
     spec = Q.launch_spec(x, w, s, b, gs, bits)
-    assert spec.grid == (32, 5, 1) and spec.threadgroup == (32, Q.SIMDGROUPS, 1)  # ceil(18 / 4) column blocks
-    assert dict(spec.template)["M"] == 5 and spec.output_shapes == [(5, 18)]
+    r, sg = Q.plan(18, 256, 5)
+    assert spec.grid == (32, -(-18 // r), 1) and spec.threadgroup == (32, sg, 1)  # R columns per warp
+    assert spec.output_shapes == [(5, 18)]
+    spec = Q.launch_spec(x, w, s, b, gs, bits, cols=3, warps=2)
+    assert spec.grid == (32, 6, 1) and spec.threadgroup == (32, 2, 1) and dict(spec.template)["R"] == 3
     with pytest.raises(ValueError):
         Q.launch_spec(mx.concatenate([x] * 4), w, s, b, gs, bits)  # 20 rows > 16
     with pytest.raises(ValueError):
@@ -277,6 +281,7 @@ def _fake_op(name, impl, registry):
     return op
 
 
+@pytest.mark.cpu_exact
 def test_registry_uses_references_on_cpu(registry):
     assert set(kernels.ops()) >= {"acceptance", "batch_qmm", "gdn_step"}
     for op in ("acceptance", "batch_qmm", "gdn_step"):
@@ -417,6 +422,7 @@ def test_compiled_per_length_for_pure_functions():
     assert f.lengths == [1, 3]
 
 
+@pytest.mark.cpu_exact
 def test_bench_verify_smoke(capsys):
     from mlx_engine import bench_verify
 

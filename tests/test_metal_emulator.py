@@ -17,7 +17,6 @@ import mlx.core as mx
 from metal_emu_util import compile_call, emu_kernel, run
 from metal_kernels.emu import EmuError, EmuKernel, compiler_available, precompile
 from mlx_engine.kernels import acceptance as A
-from mlx_engine.kernels import batch_qmm as Q
 from mlx_engine.kernels import gdn_step as G
 
 pytestmark = pytest.mark.skipif(not compiler_available(), reason="the Metal emulator needs g++")
@@ -211,25 +210,16 @@ def _sampled_cases() -> list[tuple[str, tuple, int]]:
 
 
 ACC_CASES = _greedy_cases() + _sampled_cases()
-QMM_CONFIGS = [(bits, gs) for bits in (4, 8) for gs in (32, 64, 128)]
-QMM_K, QMM_N = 384, 18  # K: not a multiple of 256 (tail step); N: partial column block and threadgroup
-QMM_SWEEP_M = (1, 2, 3, 4, 5, 7, 8, 16)
 GDN_CASES = [
     ("gqa", G.make_case(1, 4, 2, 4, 64, 6, seed=11)),
     ("vector_gate", G.make_case(2, 3, 1, 2, 32, 5, seed=12, vector_gate=True)),
     ("single_token", G.make_case(1, 1, 1, 1, 32, 4, seed=13)),
 ]
-
-
-def _qmm_case(M, bits, gs, dtype=mx.float32, seed=0):
-    return Q.make_case(M, QMM_K, QMM_N, gs, bits, seed=seed, dtype=dtype)
-
-
 @pytest.fixture(scope="module")
 def emu():
     selftest = _self_test_kernels()
-    acc, qmm, gdn = emu_kernel(A), emu_kernel(Q), emu_kernel(G)
-    acc_cu, qmm_cu, gdn_cu = (emu_kernel(m, dialect="cuda") for m in (A, Q, G))
+    acc, gdn = emu_kernel(A), emu_kernel(G)
+    acc_cu, gdn_cu = (emu_kernel(m, dialect="cuda") for m in (A, G))
     acc_os = emu_kernel(A, os_threads=True)
     tg_os = EmuKernel("tg_os", ["x"], ["out"], selftest["tg"].source, os_threads=True)
 
@@ -252,20 +242,13 @@ def emu():
     acc_os_calls = [compile_call(A.launch_spec(*args, threads=t)) for _, args, t in ACC_CASES if t == 64]
     jobs.append((acc_os, acc_os_calls))
     jobs.append((tg_os, [dict(inputs=[x32], output_dtypes=[F32])]))
-    qcalls = [compile_call(Q.launch_spec(*_qmm_case(M, 4, 64))) for M in QMM_SWEEP_M]
-    qcalls += [compile_call(Q.launch_spec(*_qmm_case(M, b, g))) for b, g in QMM_CONFIGS for M in (1, 5)]
-    qcalls += [compile_call(Q.launch_spec(*_qmm_case(M, 4, 32, mx.float16))) for M in (1, 3)]
-    for x, w, sc, bi, gs, bits in Q.probe_cases():
-        qcalls += [compile_call(Q.launch_spec(xm, w, sc, bi, gs, bits)) for xm in (x, x[:1])]
-    jobs.append((qmm, qcalls))
-    jobs.append((qmm_cu, qcalls))
     gcalls = [compile_call(G.launch_spec(*args)) for _, args in GDN_CASES]
     gcalls += [compile_call(G.launch_spec(*args)) for args in G.probe_cases()]
     jobs.append((gdn, gcalls))
     jobs.append((gdn_cu, gcalls))
     precompile(jobs)
     return dict(
-        selftest, acc=acc, qmm=qmm, gdn=gdn, acc_cu=acc_cu, qmm_cu=qmm_cu, gdn_cu=gdn_cu, acc_os=acc_os, tg_os=tg_os
+        selftest, acc=acc, gdn=gdn, acc_cu=acc_cu, gdn_cu=gdn_cu, acc_os=acc_os, tg_os=tg_os
     )
 
 
@@ -454,52 +437,6 @@ def test_acceptance_kernel_on_os_threads(emu):
 
 
 # ------------------------------------------------------------------------------------------------
-# batch-invariant quantized matmul
-# ------------------------------------------------------------------------------------------------
-
-
-@DIALECTS
-def test_qmm_kernel_is_batch_invariant_and_equals_reference(emu, dialect):
-    kernel = _k(emu, "qmm", dialect)
-    x16, w, s, b, gs, bits = _qmm_case(16, 4, 64)
-    # every row launched alone (M = 1)
-    alone = np.stack([run(kernel, Q.launch_spec(x16[i : i + 1], w, s, b, gs, bits))[0][0] for i in range(16)])
-    for M in QMM_SWEEP_M:
-        args = (x16[:M], w, s, b, gs, bits)
-        (y,) = run(kernel, Q.launch_spec(*args))
-        np.testing.assert_array_equal(y, alone[:M])  # rows of an M-row launch == 1-row launches, bit for bit
-        # and bit for bit the reference (same order, no FMA contraction on this host)
-        np.testing.assert_array_equal(y, np.array(Q.qmm_reference(*args)))
-    ref = np.array(mx.quantized_matmul(x16, w, s, b, transpose=True, group_size=gs, bits=bits))
-    np.testing.assert_allclose(alone, ref, rtol=1e-5, atol=2e-5)
-
-
-@DIALECTS
-@pytest.mark.parametrize("bits,gs", QMM_CONFIGS)
-def test_qmm_kernel_bits_and_group_sizes(emu, dialect, bits, gs):
-    kernel = _k(emu, "qmm", dialect)
-    x5, w, s, b, gs, bits = _qmm_case(5, bits, gs)
-    (y5,) = run(kernel, Q.launch_spec(x5, w, s, b, gs, bits))
-    np.testing.assert_array_equal(y5, np.array(Q.qmm_reference(x5, w, s, b, gs, bits)))
-    for i in (0, 4):
-        (y1,) = run(kernel, Q.launch_spec(x5[i : i + 1], w, s, b, gs, bits))
-        np.testing.assert_array_equal(y5[i], y1[0])
-    ref = np.array(mx.quantized_matmul(x5, w, s, b, transpose=True, group_size=gs, bits=bits))
-    np.testing.assert_allclose(y5, ref, rtol=1e-5, atol=2e-5)
-
-
-@DIALECTS
-def test_qmm_kernel_half_inputs(emu, dialect):
-    kernel = _k(emu, "qmm", dialect)
-    x3, w, s, b, gs, bits = _qmm_case(3, 4, 32, mx.float16)
-    (y3,) = run(kernel, Q.launch_spec(x3, w, s, b, gs, bits))
-    assert y3.dtype == np.float16
-    np.testing.assert_array_equal(y3, np.array(Q.qmm_reference(x3, w, s, b, gs, bits)))
-    (y1,) = run(kernel, Q.launch_spec(x3[1:2], w, s, b, gs, bits))
-    np.testing.assert_array_equal(y3[1], y1[0])
-
-
-# ------------------------------------------------------------------------------------------------
 # GatedDeltaNet step with per-token states
 # ------------------------------------------------------------------------------------------------
 
@@ -542,24 +479,56 @@ def _emulated(kernel, module):
 
 
 @DIALECTS
-@pytest.mark.parametrize("name", ["acceptance", "batch_qmm", "gdn_step"])
+@pytest.mark.parametrize("name", ["acceptance", "gdn_step"])
 def test_registry_probe_accepts_the_emulated_kernels(emu, dialect, name, monkeypatch):
     import warnings
 
     from mlx_engine import kernels
 
-    short = {"acceptance": "acc", "batch_qmm": "qmm", "gdn_step": "gdn"}[name]
-    module = {"acceptance": A, "batch_qmm": Q, "gdn_step": G}[name]
+    short = {"acceptance": "acc", "gdn_step": "gdn"}[name]
+    module = {"acceptance": A, "gdn_step": G}[name]
     fn = _emulated(_k(emu, short, dialect), module)
     op = kernels._op(name)
     assert kernels._probe(op, fn) is None
     monkeypatch.delenv(kernels.ENV_VAR, raising=False)
     monkeypatch.setattr(kernels, "backend_available", lambda b: b in (dialect, "reference"))
     monkeypatch.setitem(op.impls, dialect, fn)
+    monkeypatch.setattr(op, "sizes", None)
     kernels.reset()
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             assert kernels.backend(name) == dialect and kernels.get(name) is fn
+    finally:
+        kernels.reset()
+
+
+@DIALECTS
+def test_registry_takes_the_largest_threadgroup_the_device_launches(emu, dialect, monkeypatch):
+    """A device that allows the acceptance kernel only 256 threads per threadgroup (an NVIDIA GPU does
+    when 1024 threads would need more than 64 registers each; an Apple pipeline may report a lower
+    maxTotalThreadsPerThreadgroup): 1024 and 512 fail to launch, and the registry settles on 256
+    without disabling the kernel or warning."""
+    import warnings
+
+    from mlx_engine import kernels
+
+    small = emu_kernel(A, dialect=dialect, max_threads=256)
+    with pytest.raises(EmuError, match="exceeds this pipeline's limit"):
+        run(small, A.launch_spec(*A.probe_cases()[0], threads=1024))
+
+    def sized(threads):
+        return lambda *args: mx.array(run(small, A.launch_spec(*args, threads=threads))[0])
+
+    fns = {t: sized(t) for t in A.THREAD_SIZES}
+    op = kernels._op("acceptance")
+    monkeypatch.delenv(kernels.ENV_VAR, raising=False)
+    monkeypatch.setattr(kernels, "backend_available", lambda b: b in (dialect, "reference"))
+    monkeypatch.setattr(op, "sizes", lambda backend: [fns[t] for t in A.THREAD_SIZES])
+    kernels.reset()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert kernels.backend("acceptance") == dialect and kernels.get("acceptance") is fns[256]
     finally:
         kernels.reset()

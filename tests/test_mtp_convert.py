@@ -10,6 +10,7 @@ from mlx_engine.convert import convert
 from mlx_engine.drafters.mtp import MissingHeadError, load_mtp_drafter
 from test_mtp_helpers import PROMPT, generate, load_hf, make
 from reference import mlx_lm_greedy
+from device import ON_GPU
 
 
 @pytest.mark.parametrize("family,fp8,shards", [("qwen3_5", False, 1), ("deepseek_v3", False, 2),
@@ -36,7 +37,18 @@ def test_convert_round_trip_unquantized(tmp_path_factory, tmp_path, family, fp8,
     np.testing.assert_allclose(np.array(drafter.cache[0].keys), np.array(ref.cache[0].keys), rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("family", ["qwen3_5", "deepseek_v3"])
+@pytest.mark.parametrize(
+    "family",
+    [
+        "qwen3_5",
+        pytest.param(
+            "deepseek_v3",
+            marks=pytest.mark.skipif(
+                ON_GPU, reason="MLX's CUDA back-end has no fp32 quantized_matmul for this shape (1x16x32x4)"
+            ),
+        ),
+    ],
+)
 def test_convert_round_trip_quantized(tmp_path_factory, tmp_path, family):
     hf = make(tmp_path_factory, family)
     out = convert(hf, tmp_path / "q", quantize=True, q_bits=4, q_group_size=32, mtp_bits=8)

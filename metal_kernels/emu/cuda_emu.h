@@ -63,6 +63,7 @@ inline float __uint_as_float(unsigned x) { return std::bit_cast<float>(x); }
 inline float __fadd_rn(float a, float b) { return a + b; }  // compiled with -ffp-contract=off
 inline float __fmul_rn(float a, float b) { return a * b; }
 inline float __fmaf_rn(float a, float b, float c) { return std::fma(a, b, c); }
+inline float __fdiv_rn(float a, float b) { return a / b; }
 
 #define threadIdx (metal_emu::cuda::thread_idx())
 #define blockIdx (metal_emu::cuda::block_idx())

@@ -246,6 +246,7 @@ class EmuKernel:
         atomic_outputs: bool = False,
         os_threads: bool = False,
         dialect: str = "metal",
+        max_threads: int = 1024,
     ):
         if dialect not in ("metal", "cuda"):
             raise ValueError(f"dialect must be 'metal' or 'cuda', got {dialect!r}")
@@ -261,6 +262,10 @@ class EmuKernel:
         self.atomic_outputs = atomic_outputs
         self.os_threads = os_threads
         self.dialect = dialect
+        # threads per threadgroup this pipeline allows: 1024 on Apple GPUs and NVIDIA, less for a kernel
+        # that needs many registers (Metal's maxTotalThreadsPerThreadgroup; CUDA: 65,536 registers per
+        # block). A lower value simulates such a device: larger launches fail as they would there.
+        self.max_threads = max_threads
         if dialect == "cuda":
             self._body = rewrite_threadgroup(source, "__shared__")
             self._attrs = []  # CUDA bodies read threadIdx / blockIdx / blockDim instead
@@ -438,6 +443,12 @@ class EmuKernel:
         verbose: bool = False,
         stream=None,
     ) -> list[np.ndarray]:
+        threads = int(np.prod([int(t) for t in threadgroup]))
+        if threads > self.max_threads:
+            raise EmuError(
+                f"{self.name}: a threadgroup of {threads} threads exceeds this pipeline's limit of "
+                f"{self.max_threads} (too many resources requested for launch)"
+            )
         v = self.variant(inputs, output_dtypes, template)
         if v.key not in self._loaded:
             precompile([(self, [dict(inputs=inputs, output_dtypes=output_dtypes, template=template)])])
@@ -445,7 +456,11 @@ class EmuKernel:
         if verbose:
             print(self.translation_unit([v]))
 
-        arrays = [_to_numpy(x)[0] for x in inputs]
+        # ensure_row_contiguous=False: numpy views keep their strides (what MLX passes for cache views)
+        arrays = [
+            x if not self.ensure_row_contiguous and isinstance(x, np.ndarray) else _to_numpy(x)[0]
+            for x in inputs
+        ]
         keep: list[np.ndarray] = []
         ptrs: list[int] = []
         counts: list[int] = []
@@ -475,16 +490,14 @@ class EmuKernel:
                     continue
                 keep.append(a)
                 ptrs.append(a.ctypes.data)
-                counts.append(a.size)
+                counts.append(_span(a))
             elif what == "shape":
                 a = np.array(arrays[i].shape, np.int32)
                 keep.append(a)
                 ptrs.append(a.ctypes.data)
                 counts.append(a.size)
             elif what == "strides":
-                shape = arrays[i].shape
-                st = [int(np.prod(shape[d + 1 :], dtype=np.int64)) for d in range(len(shape))]
-                a = np.array(st, np.int64)
+                a = np.array(_element_strides(arrays[i]), np.int64)
                 keep.append(a)
                 ptrs.append(a.ctypes.data)
                 counts.append(a.size)
@@ -511,6 +524,19 @@ class EmuKernel:
         if rc != 0:
             raise EmuError(f"{self.name}: {err.value.decode(errors='replace')}")
         return outputs
+
+
+def _element_strides(a: np.ndarray) -> list[int]:
+    if any(st < 0 or st % a.itemsize for st in a.strides):
+        raise ValueError(f"strides {a.strides} are not non-negative multiples of the item size")
+    return [st // a.itemsize for st in a.strides]
+
+
+def _span(a: np.ndarray) -> int:
+    """Elements from the first to the last one a (possibly strided) view touches: the bounds check."""
+    if a.flags.c_contiguous:
+        return a.size
+    return 1 + sum((n - 1) * st for n, st in zip(a.shape, _element_strides(a)))
 
 
 def _bf16_bits(x: np.float32) -> np.uint16:

@@ -51,6 +51,8 @@
 // onto the same runtime.
 #pragma once
 
+#define METAL_EMU 1  // kernel headers pick their emulator forms of vector loads on this
+
 #include <sys/mman.h>
 #include <ucontext.h>
 

@@ -15,6 +15,8 @@ Ops (module: reference / fused):
     acceptance  accept_reference(target, draft_tokens, draft_probs, uniforms, sample_uniform, greedy)
                 -> int32 [2] (n_accepted, next_token)
     batch_qmm   qmm_reference(x, w, scales, biases, group_size, bits) -> [M, N], batch invariant
+    batch_attention  attention_reference(q, k, v, scale, causal, qp, kp) -> [B, Hq, L, DV], batch invariant
+    gather_qmm  gather_reference(x, w, scales, biases, idx, group_size, bits, xdiv, tokens) -> [P, N] (MoE)
     gdn_step    gdn_step_reference(q, k, v, g, beta, state) -> (y, states after every token)
 """
 
@@ -62,19 +64,28 @@ class Op:
     """A registered op: its reference, its fused implementations by backend, and its probe.
 
     `probe()` returns a list of argument tuples; `check(kernel_out, reference_out, args, kernel)`
-    returns None when they agree and a short description of the difference otherwise."""
+    returns None when they agree and a short description of the difference otherwise.
+    `sizes(backend)` (optional) lists launch-size variants of the backend's kernel, largest first: the
+    first that launches on this device and passes the probe is used (a GPU allows fewer threads per
+    group than its maximum to a kernel that needs many registers, and says so only at launch)."""
 
     name: str
     reference: Callable
     impls: dict[str, Callable] = field(default_factory=dict)
     probe: Callable[[], list] = lambda: []
     check: Callable[[Any, Any, tuple, Callable], str | None] = lambda out, ref, args, fn: None
+    sizes: Callable[[str], list[Callable]] | None = None
+
+    def candidates(self, backend: str) -> list[Callable]:
+        return self.sizes(backend) if self.sizes is not None else [self.impls[backend]]
 
 
 _OPS: dict[str, Op] = {}
 _MODULES = {
     "acceptance": "mlx_engine.kernels.acceptance",
     "batch_qmm": "mlx_engine.kernels.batch_qmm",
+    "batch_attention": "mlx_engine.kernels.batch_attention",
+    "gather_qmm": "mlx_engine.kernels.gather_qmm",
     "gdn_step": "mlx_engine.kernels.gdn_step",
 }
 _resolved: dict[str, tuple[str, Callable]] = {}
@@ -82,9 +93,10 @@ _lock = threading.RLock()
 
 
 @functools.lru_cache(maxsize=None)
-def build_kernel(name: str, input_names: tuple, output_names: tuple, backend: str):
-    """The `mx.fast.metal_kernel` / `cuda_kernel` of `metal_kernels/<name>.metal|.cu` (built once)."""
-    from metal_kernels import source
+def build_kernel(name: str, input_names: tuple, output_names: tuple, backend: str, contiguous: bool = True):
+    """The `mx.fast.metal_kernel` / `cuda_kernel` of `metal_kernels/<name>.metal|.cu` (built once).
+    contiguous=False: inputs are passed as they are (the body indexes them through `<name>_strides`)."""
+    from metal_kernels import header, source
 
     make = mx.fast.metal_kernel if backend == "metal" else mx.fast.cuda_kernel
     return make(
@@ -92,6 +104,8 @@ def build_kernel(name: str, input_names: tuple, output_names: tuple, backend: st
         input_names=list(input_names),
         output_names=list(output_names),
         source=source(name, backend),
+        header=header(backend),
+        ensure_row_contiguous=contiguous,
     )
 
 
@@ -168,8 +182,11 @@ def _resolve(name: str) -> tuple[str, Callable]:
             want = "reference"
         fn = op.reference
         if want != "reference":
-            fn = op.impls[want]
-            problem = _probe(op, fn)
+            problem = None
+            for fn in op.candidates(want):  # the first launch size that runs and agrees
+                problem = _probe(op, fn)
+                if problem is None:
+                    break
             if problem is not None:
                 if forced:
                     warnings.warn(

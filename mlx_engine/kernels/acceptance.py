@@ -36,6 +36,7 @@ NAME = "acceptance"
 INPUT_NAMES = ("target", "draft", "qprobs", "uniforms")
 OUTPUT_NAMES = ("out",)
 DEFAULT_THREADS = 1024
+THREAD_SIZES = (1024, 512, 256, 128)  # tried largest first on a GPU (see kernels.Op.sizes)
 
 
 def _f32(x) -> mx.array:
@@ -194,10 +195,18 @@ def probe_check(out: mx.array, ref: mx.array, args: tuple, fn=None) -> str | Non
     return None if got == want else f"(n, next) = {got}, reference {want}"
 
 
+def sizes(backend: str) -> list:
+    """The kernel at each threadgroup size, largest first: 1024 threads need at most 64 registers per
+    thread on NVIDIA GPUs (65,536 per block) and fit within an Apple pipeline's limit only if it is not
+    register-heavy; 256 always launches on CUDA (255 registers is the per-thread maximum)."""
+    return [_accept_kernel(backend, t) for t in THREAD_SIZES]
+
+
 OP = Op(
     name=NAME,
     reference=accept_reference,
     impls={"metal": accept_metal, "cuda": accept_cuda},
     probe=probe_cases,
     check=probe_check,
+    sizes=sizes,
 )

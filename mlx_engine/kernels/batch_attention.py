@@ -1,0 +1,204 @@
+"""Attention for decode and verify, batch invariant: every query row is bit-for-bit what a 1-query pass
+over the same keys gives, whatever the number of query rows and whatever lies past its keys.
+
+Shapes: q [B, Hq, L, D], k [B, Hk, Nk, D], v [B, Hk, Nk, DV] (Hq a multiple of Hk: grouped-query
+attention), optional qp [B, Hq, L, DP] / kp [B, Hk, Nk, DP] whose dot product is added to the score
+(MLA's rope part), scale a float. causal: query i (of L) sees keys 0 .. Nk - L + i (the queries are the
+last L positions); else every query sees all Nk keys. Output o [B, Hq, L, DV] in q's dtype:
+    o[i] = sum_j softmax_j(scale * (q_i . k_j + qp_i . kp_j)) v_j   over the keys query i sees.
+
+Why: stock attention splits the keys of a query over threads in a way that depends on the number of
+queries and keys in the launch, so verify rows differ in the last bits from single-token decode.
+The kernels (metal_kernels/batch_attention.metal, .cu) fix the order per query (see the .metal file):
+SIMD group g of SG takes keys g, g+SG, ... in order with an online softmax; lanes split the head
+dimension (fma chains, then a xor butterfly); the SG partials merge in group order. That depends only
+on the query's own keys. They read k and v through their strides, so the KV cache is never copied.
+
+`attention_reference` is the CPU definition: scores as a fixed pairwise tree over the head dimension,
+a masked softmax whose sums are pairwise trees over the keys zero-padded to a power of two (adding
+exact zeros leaves every partial sum unchanged, so a query with n keys gives the same bits in any
+launch), built from elementwise MLX ops. It is batch invariant by construction and agrees with the
+kernels to float rounding (they order the sums differently).
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from . import Launch, Op, build_kernel
+
+NAME = "batch_attention"
+INPUT_NAMES = ("q", "k", "v", "qp", "kp", "scale")
+OUTPUT_NAMES = ("out",)
+CONTIGUOUS = False  # k and v are KV-cache views: read through their strides, never copied
+WARPS = 8  # SIMD groups per query: part of the order contract, so fixed (never a function of L or Nk);
+#           8 was the fastest of 4 / 8 on an H100 at 512 and 4096 keys, 1 and 8 queries
+KEYS_PER_ITER = 4  # keys a SIMD group scores at once (independent butterflies in flight)
+MAX_ROWS = 16
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def tree_sum(t: mx.array) -> mx.array:
+    """Sum over the last axis as a pairwise tree, the axis zero-padded to a power of two.
+
+    Extra zero padding leaves the result unchanged bit for bit (x + 0 == x), so summing n values, or
+    the same n values followed by zeros, gives the same bits whatever the padded length."""
+    n = t.shape[-1]
+    p = _next_pow2(n)
+    if p != n:
+        t = mx.pad(t, [(0, 0)] * (t.ndim - 1) + [(0, p - n)])
+    while t.shape[-1] > 1:
+        t = t[..., 0::2] + t[..., 1::2]
+    return t[..., 0]
+
+
+def _expand_heads(t: mx.array, hq: int) -> mx.array:
+    return t if t.shape[1] == hq else mx.repeat(t, hq // t.shape[1], axis=1)
+
+
+def attention_reference(q, k, v, scale: float, causal: bool = True, qp=None, kp=None, mask=None) -> mx.array:
+    """The batch-invariant attention of the module docstring in elementwise MLX ops.
+
+    mask (optional, instead of `causal`): bool [.., L, Nk] (True = attend), additive float, or the
+    strings mlx-lm passes ("causal"; None = every key)."""
+    if isinstance(mask, str):
+        causal, mask = mask == "causal", None
+    B, Hq, L, D = q.shape
+    N = k.shape[2]
+    dtype = q.dtype
+    f32 = lambda t: t.astype(mx.float32)  # noqa: E731
+    kf, vf = f32(_expand_heads(k, Hq)), f32(_expand_heads(v, Hq))
+    scores = tree_sum(f32(q)[:, :, :, None, :] * kf[:, :, None, :, :])  # [B, H, L, N]
+    if qp is not None:
+        kpf = f32(_expand_heads(kp, Hq))
+        scores = scores + tree_sum(f32(qp)[:, :, :, None, :] * kpf[:, :, None, :, :])
+    scores = scores * scale
+    allowed = None
+    if causal and mask is None:
+        allowed = mx.arange(N)[None, :] <= (mx.arange(L) + (N - L))[:, None]
+    elif mask is not None:
+        if mask.dtype == mx.bool_:
+            allowed = mask
+        else:
+            scores = scores + mask.astype(mx.float32)
+    if allowed is not None:
+        scores = mx.where(allowed, scores, -mx.inf)
+    m = mx.max(scores, axis=-1, keepdims=True)  # max is exact in any order
+    e = mx.exp(scores - m)  # masked keys: exp(-inf) = +0, and they add nothing to the trees below
+    denom = tree_sum(e)[..., None]  # [B, H, L, 1]
+    out = tree_sum((e[..., None] * vf[:, :, None, :, :]).swapaxes(-1, -2))  # [B, H, L, Dv]
+    return (out / denom).astype(dtype)
+
+
+def supported(q: mx.array, k: mx.array, v: mx.array, qp=None) -> bool:
+    """Shapes the kernels take: head dims multiples of 32, Hq a multiple of Hk, at most 16 queries."""
+    dims = [q.shape[-1], v.shape[-1]] + ([qp.shape[-1]] if qp is not None else [])
+    return (
+        q.ndim == 4
+        and all(d % 32 == 0 and d <= 1024 for d in dims)
+        and q.shape[1] % k.shape[1] == 0
+        and 1 <= q.shape[2] <= MAX_ROWS
+        and q.dtype in (mx.float32, mx.float16, mx.bfloat16)
+    )
+
+
+def launch_spec(q, k, v, scale: float, causal: bool = True, qp=None, kp=None, warps=WARPS, keys=KEYS_PER_ITER) -> Launch:
+    if not supported(q, k, v, qp):
+        raise ValueError(f"unsupported attention shapes q {q.shape}, k {k.shape}, v {v.shape}")
+    B, Hq, L, D = q.shape
+    if causal and L > k.shape[2]:
+        raise ValueError(f"{L} causal queries over {k.shape[2]} keys")
+    DV = v.shape[-1]
+    dp = 0 if qp is None else qp.shape[-1]
+    if qp is None:
+        qp = kp = mx.zeros((1, 1, 1, 1), q.dtype)
+    return Launch(
+        inputs=[q, k, v, qp, kp, mx.array([scale], mx.float32)],
+        template=[
+            ("T", q.dtype), ("D", D), ("DV", DV), ("DP", dp), ("CAUSAL", bool(causal)),
+            ("SG", warps), ("KB", keys),
+        ],
+        grid=(32 * warps, L, B * Hq),
+        threadgroup=(32 * warps, 1, 1),
+        output_shapes=[(B, Hq, L, DV)],
+        output_dtypes=[q.dtype],
+    )
+
+
+def _kernel(backend: str):
+    return build_kernel(NAME, INPUT_NAMES, OUTPUT_NAMES, backend, contiguous=CONTIGUOUS)
+
+
+def _attention_kernel(backend: str, q, k, v, scale: float, causal: bool = True, qp=None, kp=None, mask=None):
+    if mask is not None:
+        raise ValueError("the attention kernels take causal or no masks; array masks go to the reference")
+    return _kernel(backend)(**launch_spec(q, k, v, scale, causal, qp, kp).kwargs())[0]
+
+
+def attention_metal(q, k, v, scale: float, causal: bool = True, qp=None, kp=None, mask=None) -> mx.array:
+    return _attention_kernel("metal", q, k, v, scale, causal, qp, kp, mask)
+
+
+def attention_cuda(q, k, v, scale: float, causal: bool = True, qp=None, kp=None, mask=None) -> mx.array:
+    return _attention_kernel("cuda", q, k, v, scale, causal, qp, kp, mask)
+
+
+def make_case(B, Hq, Hk, L, N, D, DV=None, DP=0, seed=0, dtype=mx.float32):
+    """Random (q, k, v, scale, causal, qp, kp) for tests and probes (k / v are views of a longer cache)."""
+    DV = DV or D
+    ks = mx.random.split(mx.random.key(seed), 5)
+    q = mx.random.normal((B, Hq, L, D), key=ks[0]).astype(dtype)
+    kc = mx.random.normal((B, Hk, N + 7, D), key=ks[1]).astype(dtype)
+    vc = mx.random.normal((B, Hk, N + 7, DV), key=ks[2]).astype(dtype)
+    qp = kp = None
+    if DP:
+        qp = mx.random.normal((B, Hq, L, DP), key=ks[3]).astype(dtype)
+        kp = mx.random.normal((B, Hk, N + 7, DP), key=ks[4]).astype(dtype)[:, :, :N]
+    return q, kc[:, :, :N], vc[:, :, :N], (D + DP) ** -0.5, True, qp, kp
+
+
+def probe_cases() -> list[tuple]:
+    return [
+        make_case(1, 4, 2, 5, 37, 64, seed=1),
+        make_case(1, 2, 1, 1, 9, 32, 64, DP=32, seed=2),
+        make_case(2, 4, 4, 3, 70, 128, seed=3, dtype=mx.bfloat16),
+    ]
+
+
+def _row_alone(fn, args: tuple, i: int):
+    """Query i of an L-query causal launch, launched alone over the keys it sees."""
+    q, k, v, scale, causal, qp, kp = args
+    L, N = q.shape[2], k.shape[2]
+    n = N - L + i + 1 if causal else N
+    qp_i = qp[:, :, i : i + 1] if qp is not None else None
+    kp_i = kp[:, :, :n] if kp is not None else None
+    return fn(q[:, :, i : i + 1], k[:, :, :n], v[:, :, :n], scale, causal, qp_i, kp_i)
+
+
+def probe_check(out: mx.array, ref: mx.array, args: tuple, fn=None) -> str | None:
+    """Close to the reference, and each query row bit-for-bit its 1-query launch."""
+    if out.shape != ref.shape:
+        return f"shape {out.shape} != {ref.shape}"
+    tol = 1e-4 if out.dtype == mx.float32 else 2e-2
+    if not mx.allclose(out.astype(mx.float32), ref.astype(mx.float32), rtol=tol, atol=tol).item():
+        err = mx.abs(out.astype(mx.float32) - ref.astype(mx.float32)).max().item()
+        return f"max abs difference {err:.3g} from the reference"
+    if fn is None:
+        return None
+    L = args[0].shape[2]
+    for i in (0, L - 1):
+        if not mx.array_equal(_row_alone(fn, args, i)[:, :, 0], out[:, :, i]).item():
+            return f"query {i} alone differs from query {i} of the launch (not batch invariant)"
+    return None
+
+
+OP = Op(
+    name=NAME,
+    reference=attention_reference,
+    impls={"metal": attention_metal, "cuda": attention_cuda},
+    probe=probe_cases,
+    check=probe_check,
+)
