@@ -5,8 +5,10 @@ $MLX_ENGINE_CONFIG_DIR, else $XDG_CONFIG_HOME/mlx-engine, else ~/.config/mlx-eng
 """
 
 import argparse
+import math
 
 import mlx_engine  # noqa: F401  (OpenBLAS before mlx)
+from mlx_engine.args import ArgumentParser, count
 
 from .settings import DRAFTERS, Settings, settings_path
 
@@ -28,20 +30,23 @@ def temp_arg(value: str) -> float:
         t = float(value)
     except ValueError:
         raise argparse.ArgumentTypeError("expected a number >= 0") from None
-    if t < 0:
+    if not math.isfinite(t) or t < 0:
         raise argparse.ArgumentTypeError("expected a number >= 0")
     return t
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m app", description="mlx-engine chat: live draft acceptance and tok/s")
+    p = ArgumentParser(prog="python -m app", description="mlx-engine chat: live draft acceptance and tok/s. Options "
+                       "given here override the saved settings (" + str(settings_path()) + ") for this run.")
     p.add_argument("--model", help="hub id, local folder or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--drafter", choices=DRAFTERS, help="how drafts are made (default: saved setting, else mtp, falling back to ngram)")
     p.add_argument("--draft-model", help="the draft model for --drafter draft (same tokenizer as the target)")
-    p.add_argument("--num-draft", type=num_draft_arg, help="tokens drafted per cycle, or 'auto'")
-    p.add_argument("--temp", type=temp_arg, help="sampling temperature (0 = greedy)")
-    p.add_argument("--max-tokens", type=int, help="tokens per answer at most")
+    p.add_argument("--num-draft", type=num_draft_arg,
+                   help="tokens drafted per cycle (1..16), or 'auto' (default: saved setting, else auto)")
+    p.add_argument("--temp", type=temp_arg, help="sampling temperature (default: saved setting, else 0 = greedy)")
+    p.add_argument("--max-tokens", type=count(1), help="tokens per answer at most (default: saved setting, else 1024)")
     p.add_argument("--no-save", action="store_true", help="do not write settings.json")
+    p.add_argument("--reset", action="store_true", help="ignore the saved settings (start from the defaults)")
     return p
 
 
@@ -49,7 +54,10 @@ def build_app(argv=None):
     from .app import AppOptions, ChatApp
 
     args = parser().parse_args(argv)
-    settings = Settings.load(settings_path())
+    settings = Settings() if args.reset else Settings.load(settings_path())
+    given = {"drafter": args.drafter or (args.draft_model and "draft"), "draft_model": args.draft_model,
+             "num_draft": args.num_draft, "temperature": args.temp, "max_tokens": args.max_tokens}
+    settings.restored = {k: v for k, v in settings.restored.items() if given.get(k) is None}  # overridden here
     if args.drafter is not None:
         settings.drafter = args.drafter
     if args.draft_model is not None:

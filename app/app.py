@@ -16,9 +16,11 @@ from .settings import Settings
 from .widgets import AssistantMessage, StatsPanel, SystemMessage, UserMessage
 from .worker import EngineWorker, GenerateRequest, LoadRequest
 
-AUTO_START_K = 2  # where +/- start from when leaving auto
+AUTO_START_K = 1  # what auto drafts before it has evidence (policy.py: optimistic start); +/- start from it
 
 TEMP_STEP = 0.1
+RESTORED_LABELS = {"num_draft": "k", "temperature": "temp", "speculation": "spec", "color_drafts": "colour drafts",
+                   "max_tokens": "max tokens", "draft_model": "draft model"}
 REASONS = {"stopped": "stopped", "eos": "", "max_tokens": "max tokens reached", "error": "error"}
 
 
@@ -116,9 +118,21 @@ class ChatApp(App):
         s = self.settings
         self.query_one(StatsPanel).set_settings_line(
             f"drafter {self.drafter_name} | k {self._k_label()} | spec {'on' if s.speculation else 'off'}\n"
-            f"temp {s.temperature:.1f} | colour drafts {'on' if s.color_drafts else 'off'}",
+            f"temp {s.temperature:.1f} | colour drafts {'on' if s.color_drafts else 'off'}" + self._restored_note(),
             self._live_k(),
         )
+
+    def _restored_note(self) -> str:
+        """Which settings came back from settings.json (while they are still in force), so none persists
+        silently."""
+        from .settings import settings_path
+
+        s = self.settings
+        kept = [f"{RESTORED_LABELS.get(name, name)} {'on' if v is True else 'off' if v is False else v}"
+                for name, v in s.restored.items() if getattr(s, name) == v]
+        if not kept:
+            return ""
+        return f"\nrestored from {settings_path().name}: {', '.join(kept)} (--reset: defaults)"
 
     def _live_k(self) -> int:
         """The draft length the next cycle uses (0 = plain decoding)."""

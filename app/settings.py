@@ -10,6 +10,7 @@ import os
 import sys
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
+from typing import ClassVar
 
 APP_NAME = "mlx-engine"
 DRAFTERS = ("none", "draft", "ngram", "mtp")
@@ -33,11 +34,12 @@ def settings_path() -> Path:
 class Settings:
     drafter: str = "mtp"  # none | draft | ngram | mtp (mtp falls back to ngram for models without heads)
     draft_model: str | None = None
-    num_draft: int | str = 4  # k, or "auto"
+    num_draft: int | str = "auto"  # k, or "auto" (drafts k = 1 from the first cycle, then what measures fastest)
     temperature: float = 0.0
     speculation: bool = True  # off = plain decoding (k = 0), toggled live
     color_drafts: bool = False  # off: Markdown; on: plain text with accepted-draft tokens coloured
     max_tokens: int = 1024
+    restored: ClassVar[dict] = {}  # (per instance, set by load) settings read from the file that differ from the defaults
 
     def __post_init__(self):
         if self.drafter not in DRAFTERS:
@@ -46,7 +48,7 @@ class Settings:
             try:
                 self.num_draft = max(1, min(16, int(self.num_draft)))
             except (TypeError, ValueError):
-                self.num_draft = 4
+                self.num_draft = "auto"
         try:
             self.temperature = max(0.0, min(2.0, round(float(self.temperature), 2)))
         except (TypeError, ValueError):
@@ -69,7 +71,10 @@ class Settings:
         if not isinstance(data, dict):
             return cls()
         known = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in data.items() if k in known})
+        settings, default = cls(**{k: v for k, v in data.items() if k in known}), cls()
+        settings.restored = {f.name: getattr(settings, f.name) for f in fields(cls)
+                             if f.name in data and getattr(settings, f.name) != getattr(default, f.name)}
+        return settings
 
     def save(self, path: Path | None = None) -> str | None:
         """Write settings; returns an error message instead of raising."""

@@ -174,7 +174,7 @@ class EngineWorker:
         self._queue: queue.Queue = queue.Queue()
         self._stop = threading.Event()
         self._lock = threading.Lock()
-        self._num_draft: int | str = 4
+        self._num_draft: int | str = "auto"
         self._speculation = True
         self.loaded = None
         self.engine: Engine | None = None

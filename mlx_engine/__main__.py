@@ -1,13 +1,13 @@
 """`python -m mlx_engine COMMAND ...`"""
 
-import argparse
 import sys
 
 from . import cli
+from .args import ArgumentParser, interrupted
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m mlx_engine", description="Lossless speculative decoding on MLX.")
+    parser = ArgumentParser(prog="python -m mlx_engine", description="Lossless speculative decoding on MLX.")
     sub = parser.add_subparsers(dest="command", required=True)
     cli.add_generate_args(sub.add_parser("generate", help="generate text with (or without) speculative decoding"))
     conv = sub.add_parser("convert", help="convert a Hugging Face checkpoint to MLX, keeping its MTP head")
@@ -23,8 +23,14 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["train-mtp"]:
         from .train_mtp import main as train_main
 
-        return train_main(argv[1:])
-    args = parser.parse_args(argv)
+        try:
+            return train_main(argv[1:])
+        except KeyboardInterrupt:  # the last checkpoint and the corpus saved so far stay: --resume
+            return interrupted()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # --help (0) or a bad flag (2, one `error:` line printed): a status, not an exception
+        return e.code
     try:
         if args.command == "generate":
             return cli.run_generate(args)
@@ -32,8 +38,13 @@ def main(argv: list[str] | None = None) -> int:
             return cli.run_convert(args)
     except cli.ERRORS as e:
         return cli.report_error(e)
+    except KeyboardInterrupt:  # Ctrl-C: what was generated stays printed; no traceback
+        return interrupted()
     return 1
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:  # before a command's own handler (while loading, in train-mtp)
+        sys.exit(interrupted())

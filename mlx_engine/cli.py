@@ -4,6 +4,8 @@ import argparse
 import json
 import sys
 
+from . import text
+from .args import finite
 from .drafters.draft_model import DraftModelDrafter
 from .drafters.ngram import NgramDrafter
 from .engine import Engine, GenerationConfig
@@ -18,7 +20,8 @@ class UsageError(ValueError):
 
 
 def add_generate_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help="hub repo id, local model folder, or .gguf file")
+    p.add_argument("--model", help="hub repo id, local model folder, or .gguf file (default: the embedded "
+                                    "SmolLM2-135M-Instruct, whose trained MTP head --drafter mtp finds by itself)")
     p.add_argument("--drafter", default="none", help=f"one of {', '.join(DRAFTERS)} (default: none = plain decoding)")
     p.add_argument("--draft-model", help="draft model for --drafter draft (same tokenizer as --model)")
     p.add_argument("--draft-vocab-subset",
@@ -26,14 +29,14 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
                         "head from train-mtp --vocab-subset N); the draft scores only those tokens (cheaper, lossless)")
     p.add_argument("--mtp-weights",
                    help="safetensors file with the MTP head, or a GGUF with llama.cpp's nextn tensors (GLM-4.x), "
-                        "for --drafter mtp")
+                        "for --drafter mtp (default: the head next to the model, or the one shipped for it)")
     p.add_argument("--num-draft", default="auto",
                    help="tokens drafted per cycle: k >= 0, or auto (default): the k that measures fastest, 0 included")
-    p.add_argument("--temp", type=float, default=0.0, help="sampling temperature; 0 = greedy (default)")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
+    p.add_argument("--temp", type=finite(0.0), default=0.0, help="sampling temperature; 0 = greedy (default)")
+    p.add_argument("--top-p", type=finite(), default=1.0, help="nucleus sampling mass (1 = off)")
     p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
-    p.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min-p times the best (0 = off)")
-    p.add_argument("--repetition-penalty", type=float, default=1.0, help="penalty for recent tokens (1 = off)")
+    p.add_argument("--min-p", type=finite(), default=0.0, help="drop tokens below min-p times the best (0 = off)")
+    p.add_argument("--repetition-penalty", type=finite(), default=1.0, help="penalty for recent tokens (1 = off)")
     p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     p.add_argument("--max-tokens", type=int, default=256, help="tokens to generate (default 256)")
     src = p.add_mutually_exclusive_group(required=True)
@@ -68,8 +71,8 @@ def parse_prompt_tokens(text: str) -> list[int]:
 
 
 def encode_prompt(tokenizer, text: str, chat_template: bool) -> list[int]:
-    if not text:
-        raise UsageError("the prompt is empty")
+    if not text.strip():
+        raise UsageError("the prompt is empty" if not text else "the prompt is only whitespace")
     if chat_template and getattr(tokenizer, "chat_template", None):
         return list(tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True))
     return list(tokenizer.encode(text))
@@ -132,8 +135,8 @@ def build(args):
         raise UsageError(f"--max-tokens must be >= 1, got {args.max_tokens}")
     if args.drafter not in DRAFTERS:
         raise UsageError(f"unknown drafter {args.drafter!r}; choose one of {', '.join(DRAFTERS)}")
-    if args.prompt is not None and not args.prompt:
-        raise UsageError("the prompt is empty")
+    if args.prompt is not None and not args.prompt.strip():
+        raise UsageError("the prompt is empty" if not args.prompt else "the prompt is only whitespace")
     try:
         sampling = SamplingConfig(
             temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
@@ -142,7 +145,7 @@ def build(args):
     except ValueError as e:
         raise UsageError(str(e)) from None
     prompt = parse_prompt_tokens(args.prompt_tokens) if args.prompt_tokens is not None else None
-    loaded = load(args.model)
+    loaded = load(args.model)  # None: the embedded default model
     if prompt is None:
         prompt = encode_prompt(loaded.tokenizer, args.prompt, not args.no_chat_template)
     drafter = make_drafter(args, loaded)
@@ -157,6 +160,7 @@ def build(args):
 def run_generate(args) -> int:
     loaded, engine, prompt, config = build(args)
     tokenizer = loaded.tokenizer
+    special = text.special_ids(tokenizer)  # <|im_end|> and the like: in "tokens", never in the text
     tokens, trace = [], []
     detok = tokenizer.detokenizer
     detok.reset()
@@ -165,13 +169,13 @@ def run_generate(args) -> int:
         if i > 0:
             trace.append({"draft": step.draft, "accepted": step.n_accepted, "emitted": step.tokens})
         if not args.json:
-            for t in step.tokens:
+            for t in text.visible(step.tokens, special):
                 detok.add_token(t)
             print(detok.last_segment, end="", flush=True)
     detok.finalize()
     stats = engine.stats
     if args.json:
-        out = {"tokens": tokens, "text": tokenizer.decode(tokens), "stats": stats.to_dict()}
+        out = {"tokens": tokens, "text": text.decode(tokenizer, tokens, special), "stats": stats.to_dict()}
         if args.trace:
             out["trace"] = trace
         print(json.dumps(out))

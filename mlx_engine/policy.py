@@ -12,7 +12,12 @@ choice. The memory is about `window` tokens of text: counts decay with each draf
 with each token decoded plainly, so after a long plain stretch the next burst measures the text as it is
 now. T(k) is a moving average; unmeasured lengths are extrapolated linearly from the two nearest measured
 ones. The first drafting cycle after a plain stretch is not timed: it carries the drafter's catch-up over
-the stretch, which is the stretch's cost, not k's.
+the stretch, which is the stretch's cost, not k's (when k has no measure yet, it stands in until the next
+timed cycle at k replaces it).
+
+Optimistic start: with no evidence at all it drafts at k = 1 from the first cycle, a burst of
+`bootstrap_cycles` cycles, then decodes `bootstrap_tokens` tokens plainly to time plain decoding, and
+chooses. A short answer is drafted from its start; a useless drafter costs those few cycles once.
 
 While drafting wins, every `probe_every` cycles it tries a neighbour of the best k (k+1, then k-1, which
 can be a short plain stretch), so a change of text or of costs is noticed. While plain decoding wins, the
@@ -61,12 +66,13 @@ class AdaptivePolicy:
     max_k: int = 8
     probe_every: int = 16  # while drafting: cycles between tries of a neighbouring length
     probe_cycles: int = 4  # while plain wins: drafting cycles after each plain stretch
-    bootstrap_tokens: int = 8  # the first plain stretch, to time a plain token
-    bootstrap_cycles: int = 4  # the first drafting burst, at k = 1
+    bootstrap_tokens: int = 8  # the first plain stretch (after the first burst), to time a plain token
+    bootstrap_cycles: int = 4  # the first drafting burst, at k = 1, from the first cycle (optimistic start)
     smoothing: float = 0.1  # weight of a new cycle time in the moving averages
     window: float = 128.0  # memory of the acceptance counts, in drafts per position
     prior_acceptance: float = 0.5  # Beta prior: optimistic enough that unobserved positions get tried
     prior_weight: float = 2.0
+    min_step_cost: float = 0.05  # extrapolated cycle costs grow by at least this many plain tokens per draft
     min_stretch: int = 16
     max_stretch: int = 512
     cost: dict = field(default_factory=dict)  # k -> seconds per cycle (per token for k = 0)
@@ -84,6 +90,7 @@ class AdaptivePolicy:
     _last_stretch: int = 0
     _after_plain: bool = False  # a plain stretch just ended
     _untimed: bool = False  # the next drafting cycle carries the drafter's catch-up
+    _provisional: set = field(default_factory=set)  # lengths whose cost so far comes from an untimed cycle
     _since_probe: int = 0
     _up: bool = False
     _regime: object = None  # the regime (sampling config) being learnt; others are kept in _learnt
@@ -109,8 +116,11 @@ class AdaptivePolicy:
         known = sorted(self.cost, key=lambda j: (abs(j - k), j))
         if len(known) < 2:
             return None
-        a, b = sorted(known[:2])  # linear in k through the two nearest measured lengths
-        slope = max((self.cost[b] - self.cost[a]) / (b - a), 0.0)
+        a, b = sorted(known[:2])  # linear in k through the two nearest measured lengths, but never flatter
+        # than `min_step_cost` plain tokens per drafted token: a noisy or flat pair of measures (a k = 1 cycle
+        # timed as cheap as a plain token) must not make k = 8 look free
+        floor = self.min_step_cost * self.cost.get(0, min(self.cost.values()))
+        slope = max((self.cost[b] - self.cost[a]) / (b - a), floor)
         return self.cost[a] + slope * (k - a)
 
     def speed(self, k: int) -> float:
@@ -146,14 +156,17 @@ class AdaptivePolicy:
             else:
                 self._burst -= 1
                 return self._burst_k
+        if not self.cost:  # no evidence at all: optimistic start, draft k = 1 from the first cycle
+            return self._start_burst(self.bootstrap_cycles)
         if 0 not in self.cost or self._plain_left > 0:
-            return 0  # bootstrap (time plain decoding first), or the rest of a plain stretch
+            return 0  # time plain decoding (after the first burst), or the rest of a plain stretch
         if self._after_plain:
             self._after_plain = False
             if len(self.cost) < 2:
                 return self._start_burst(self.bootstrap_cycles)
-            if self.best == 0 or self.choose() == 0:  # plain was chosen (not a probe): re-measure in a
-                # burst in proportion to the stretch, ~1/16 of its tokens, cut short if hopeless
+            if not self._in_burst and (self.best == 0 or self.choose() == 0):  # plain was chosen (not a
+                # probe): re-measure in a burst in proportion to the stretch, ~1/16 of its tokens, cut short
+                # if hopeless. (After the first burst and its timing stretch, that burst decides below.)
                 return self._start_burst(max(self.probe_cycles, self._last_stretch // 16))
         if self._in_burst:
             self._in_burst = False
@@ -216,8 +229,11 @@ class AdaptivePolicy:
                 self._plain_left, self._after_plain = 0, True
             return
         self._last_stretch = 0
-        if not self._untimed or k not in self.cost:
-            self.cost[k] = self._avg(self.cost.get(k), seconds, self.smoothing)
+        if k not in self.cost or (k in self._provisional and not self._untimed):
+            self.cost[k] = seconds  # a first measure; an untimed one only until a timed one replaces it
+            (self._provisional.add if self._untimed else self._provisional.discard)(k)
+        elif not self._untimed:
+            self.cost[k] = self._avg(self.cost[k], seconds, self.smoothing)
         self._untimed = False
         if self._in_burst:
             self._burst_hits += int(n_accepted > 0)
@@ -231,13 +247,19 @@ class AdaptivePolicy:
         self._estimate()
 
     def _estimate(self) -> None:
-        w, prior = self.prior_weight, self.prior_acceptance
-        self.acceptance = [(h + prior * w) / (t + w) for h, t in zip(self.hits, self.tries)]
+        """Beta-smoothed conditional acceptance per position; a deeper position's prior is no higher than
+        the estimate of the position before it (drafts rarely get easier further out), so a position seen a
+        few times does not look better than the evidence above it."""
+        w, estimates = self.prior_weight, []
+        for h, t in zip(self.hits, self.tries):
+            prior = min(self.prior_acceptance, estimates[-1]) if estimates else self.prior_acceptance
+            estimates.append((h + prior * w) / (t + w))
+        self.acceptance = estimates
 
 
 # the settings of AdaptivePolicy (a new setting goes here; every other field is learnt state)
 _SETTINGS = ("max_k", "probe_every", "probe_cycles", "bootstrap_tokens", "bootstrap_cycles", "smoothing", "window",
-             "prior_acceptance", "prior_weight", "min_stretch", "max_stretch")
+             "prior_acceptance", "prior_weight", "min_step_cost", "min_stretch", "max_stretch")
 
 
 def make_policy(num_draft: int | str, max_k: int = 8):

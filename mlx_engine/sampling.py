@@ -6,6 +6,7 @@ single decode step go through the same code. The repetition penalty is applied p
 history up to that position: row i of a verify pass sees the committed tokens plus drafts 1..i.
 """
 
+import math
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -21,6 +22,9 @@ class SamplingConfig:
     repetition_context: int = 20  # tokens of history the penalty looks at (mlx-lm's default)
 
     def __post_init__(self):
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty"):
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"{name.replace('_', ' ')} must be a finite number, got {getattr(self, name)}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if self.top_k < 0:

@@ -36,7 +36,6 @@ which the engine loads with `--mtp-weights DIR/mtp.safetensors` or finds next to
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import sys
@@ -51,10 +50,13 @@ import mlx.optimizers as optim  # noqa: E402
 import numpy as np  # noqa: E402
 from mlx.utils import tree_flatten, tree_map, tree_unflatten  # noqa: E402
 
+from .args import ArgumentParser, HelpFormatter, count, finite  # noqa: E402
 from .drafters.vocab_subset import SUBSET_KEY, output_rows  # noqa: E402
 
 CKPT = "checkpoint"
 CACHE = "corpus_cache.safetensors"
+GENERATED = "corpus_generated.safetensors"
+GENERATED_PART = "corpus_generated.part.safetensors"  # answers generated so far (an interrupted run goes on)
 
 
 def log(msg: str) -> None:
@@ -168,6 +170,29 @@ def save_corpus(path, seqs: list[tuple[np.ndarray, np.ndarray]], meta: dict | No
     mx.save_safetensors(str(path), {"tokens": mx.array(tokens), "hidden": mx.array(hidden),
                                     "offsets": mx.array(offsets)},
                         metadata={k: str(v) for k, v in (meta or {}).items()})
+
+
+def generate_corpus_resumable(target, prompts: list[list[int]], out: Path, max_tokens: int, batch: int,
+                              stop=frozenset(), seed: int = 0) -> list[tuple[np.ndarray, np.ndarray]]:
+    """generate_corpus, saved after every batch of prompts (out/corpus_generated.part.safetensors), so an
+    interrupted run continues where it stopped; the whole corpus ends in out/corpus_generated.safetensors.
+    Greedy answers: a batch's answers do not depend on the batches before it."""
+    final, part = out / GENERATED, out / GENERATED_PART
+    sig = hashlib.sha1(json.dumps([prompts, max_tokens, sorted(stop), seed]).encode()).hexdigest()
+    seqs: list = []
+    if part.is_file():
+        _, meta = mx.load(str(part), return_metadata=True)
+        if meta.get("signature") == sig:
+            seqs = read_corpus(part)
+            log(f"continuing the corpus in {part}: {len(seqs)} of {len(prompts)} answers already there")
+    for b in range(len(seqs), len(prompts), batch):
+        seqs += generate_corpus(target, prompts[b : b + batch], max_tokens, 0.0, batch, stop, seed)
+        tmp = part.with_name("tmp." + part.name)  # (mx.save_safetensors wants the .safetensors suffix)
+        save_corpus(tmp, seqs, {"signature": sig})
+        tmp.replace(part)
+        log(f"generated {len(seqs)}/{len(prompts)} answers ({sum(len(t) for t, _ in seqs)} tokens), saved in {part}")
+    part.replace(final) if part.is_file() else save_corpus(final, seqs)
+    return seqs
 
 
 def read_corpus(path) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -411,40 +436,59 @@ class Trainer:
         return state
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m mlx_engine train-mtp",
-                                description="train an MTP head for a target by self-distillation")
-    p.add_argument("--model", default=None, help="target model (path, hub id or GGUF); default: the embedded SmolLM2")
-    p.add_argument("--out", required=True, help="output folder (head, checkpoints, corpus cache)")
+def _parser() -> ArgumentParser:
+    p = ArgumentParser(prog="python -m mlx_engine train-mtp", formatter_class=HelpFormatter,
+                       description="Train an MTP head for a target model that ships none, by self-distillation from the "
+                                   "frozen target. Writes OUT/mtp.safetensors + OUT/mtp.json; use them with "
+                                   "--drafter mtp --mtp-weights OUT/mtp.safetensors. README: 'Training a head'.")
+    p.add_argument("--model", default=None,
+                   help="target model: path, hub id or .gguf (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--out", required=True, help="output folder: the head, checkpoints, the corpus (required)")
     p.add_argument("--corpus", nargs="+", default=None,
-                   help=".safetensors (from training/make_corpus.py), .jsonl or .txt files; default: generate "
-                        "the target's own answers to training/prompts_train.jsonl")
-    p.add_argument("--prompts", default=None, help="prompts .jsonl used when no --corpus is given")
-    p.add_argument("--gen-tokens", type=int, default=160, help="max new tokens per generated answer")
-    p.add_argument("--steps", type=int, default=1000)
-    p.add_argument("--seq-len", type=int, default=64)
-    p.add_argument("--batch", type=int, default=16)
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--warmup", type=int, default=50)
-    p.add_argument("--clip", type=float, default=1.0)
-    p.add_argument("--weight-decay", type=float, default=0.0)
-    p.add_argument("--vocab-subset", type=int, default=0, help="draft over the N most frequent tokens (0 = all)")
-    p.add_argument("--init", choices=("last-layer", "random"), default="last-layer")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--log-every", type=int, default=10)
-    p.add_argument("--ckpt-every", type=int, default=100)
-    p.add_argument("--resume", action="store_true", help="continue from DIR/checkpoint")
+                   help=".safetensors (from training/make_corpus.py), .jsonl or .txt files (default: generate the "
+                        "target's own answers to --prompts, saved as OUT/corpus_generated.safetensors)")
+    p.add_argument("--prompts", default=None,
+                   help="prompts .jsonl ({\"prompt\": ...} rows) answered when no --corpus is given "
+                        "(default: training/prompts_train.jsonl, 457 prompts)")
+    p.add_argument("--gen-tokens", type=count(1), default=160, help="max new tokens per generated answer")
+    p.add_argument("--gen-batch", type=count(1), default=32,
+                   help="prompts answered per batch; the corpus is saved after each, so an interrupted run goes on")
+    p.add_argument("--steps", type=count(0), default=1000, help="training steps (0: nothing is trained or generated)")
+    p.add_argument("--seq-len", type=count(2), default=64, help="consecutive positions per training window")
+    p.add_argument("--batch", type=count(1), default=16, help="windows per step")
+    p.add_argument("--lr", type=finite(0.0), default=1e-3, help="peak learning rate (AdamW, warm-up then cosine decay)")
+    p.add_argument("--warmup", type=count(0), default=50, help="warm-up steps (at most a tenth of --steps)")
+    p.add_argument("--clip", type=finite(0.0), default=1.0, help="gradient norm clip (0 = off)")
+    p.add_argument("--weight-decay", type=finite(0.0), default=0.0, help="AdamW weight decay")
+    p.add_argument("--vocab-subset", type=count(0), default=0,
+                   help="draft over the N most frequent tokens of the corpus, a cheaper draft step (0 = the full vocabulary)")
+    p.add_argument("--init", choices=("last-layer", "random"), default="last-layer",
+                   help="the head's block starts as a copy of the target's last layer, or random")
+    p.add_argument("--seed", type=int, default=0, help="seed of the initialisation and the data order")
+    p.add_argument("--log-every", type=count(1), default=10, help="steps between log lines")
+    p.add_argument("--ckpt-every", type=count(1), default=100,
+                   help="steps between checkpoints (OUT/checkpoint; also written at the end and on Ctrl-C)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from OUT/checkpoint with identical state (off: start afresh)")
     p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16",
                    help="dtype of the written head")
-    p.add_argument("--no-compile", dest="compile", action="store_false")
-    p.add_argument("--minutes", type=float, default=0.0, help="stop (checkpoint + write) after this wall time")
-    p.add_argument("--stop-after", type=int, default=0,
-                   help="stop this run after N steps (checkpointed; --resume continues the same schedule)")
+    p.add_argument("--no-compile", dest="compile", action="store_false",
+                   help="run the train step uncompiled (off: one mx.compile'd step)")
+    p.add_argument("--minutes", type=finite(0.0), default=0.0,
+                   help="stop (checkpoint + write the head) after this wall time (0 = no limit)")
+    p.add_argument("--stop-after", type=count(0), default=0,
+                   help="stop this run after N steps (checkpointed; --resume continues the same schedule; 0 = off)")
     return p
 
 
 def main(argv=None) -> int:
-    args = _parser().parse_args(argv)
+    try:
+        args = _parser().parse_args(argv)
+    except SystemExit as e:  # --help, or a bad flag (one `error:` line printed)
+        return e.code
+    if args.steps == 0:  # nothing to train: load nothing, generate nothing, write nothing
+        log("--steps 0: nothing to train (no model loaded, no corpus generated, nothing written)")
+        return 0
     from .drafters.mtp import trained
     from .models import load
     from .target import Target
@@ -467,7 +511,7 @@ def main(argv=None) -> int:
         seqs = load_corpora(args.corpus, target, m.tokenizer, out)
         corpus_desc = [str(c) for c in args.corpus]
     else:
-        gen = out / "corpus_generated.safetensors"
+        gen = out / GENERATED
         if gen.is_file():
             seqs = read_corpus(gen)
         else:
@@ -476,8 +520,7 @@ def main(argv=None) -> int:
             ids = [list(m.tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True))
                    for q in prompts]
             log(f"generating the target's answers to {len(ids)} prompts from {prompts_file}")
-            seqs = generate_corpus(target, ids, args.gen_tokens, 0.0, 32, stop, args.seed, progress=log)
-            save_corpus(gen, seqs)
+            seqs = generate_corpus_resumable(target, ids, out, args.gen_tokens, args.gen_batch, stop, args.seed)
         corpus_desc = ["generated"]
     seqs = [s for s in seqs if len(s[0]) >= 3]
     if not seqs:
@@ -524,8 +567,31 @@ def main(argv=None) -> int:
                 "args": {k: v for k, v in vars(args).items() if k not in ("resume", "stop_after", "minutes")}}
 
     t_train = time.perf_counter()
-    t_log, slots_log, acc = time.perf_counter(), 0.0, []
     start_step = trainer.step
+    try:
+        train_loop(trainer, args, ckpt, extra, history, t_start, t_train, start_step)
+    except KeyboardInterrupt:  # keep what was trained: a checkpoint to --resume from
+        trainer.save(ckpt, extra())
+        log(f"interrupted at step {trainer.step}: checkpoint saved in {ckpt}; run the same command with --resume "
+            f"to continue")
+        raise
+    trainer.save(ckpt, extra())
+    train_seconds = elapsed_before + (time.perf_counter() - t_train)
+    info = {"model": str(model_src), "corpus": corpus_desc, "corpus_sequences": len(seqs),
+            "corpus_tokens": n_tokens, "steps": trainer.step, "batch": args.batch, "seq_len": args.seq_len,
+            "lr": args.lr, "train_minutes": round(train_seconds / 60, 2),
+            "final_loss": history[-1][1] if history else None,
+            "final_top1_agree": history[-1][2] if history else None}
+    path = write_head(out, head, subset, cfg, info, getattr(mx, args.dtype))
+    log(f"wrote {path} ({path.stat().st_size / 1e6:.1f} MB) and {out / 'mtp.json'}; "
+        f"use: --drafter mtp --mtp-weights {path}")
+    return 0
+
+
+def train_loop(trainer: Trainer, args, ckpt: Path, extra, history: list, t_start: float, t_train: float,
+               start_step: int) -> None:
+    """Steps until --steps (or --stop-after, --minutes), logging and checkpointing on the way."""
+    t_log, slots_log, acc = time.perf_counter(), 0.0, []
     while trainer.step < args.steps:
         loss, agree, n = trainer.train_step()
         acc.append((loss, agree))
@@ -549,17 +615,6 @@ def main(argv=None) -> int:
         if args.minutes and time.perf_counter() - t_start > args.minutes * 60:
             log(f"time budget of {args.minutes} min reached at step {s}")
             break
-    trainer.save(ckpt, extra())
-    train_seconds = elapsed_before + (time.perf_counter() - t_train)
-    info = {"model": str(model_src), "corpus": corpus_desc, "corpus_sequences": len(seqs),
-            "corpus_tokens": n_tokens, "steps": trainer.step, "batch": args.batch, "seq_len": args.seq_len,
-            "lr": args.lr, "train_minutes": round(train_seconds / 60, 2),
-            "final_loss": history[-1][1] if history else None,
-            "final_top1_agree": history[-1][2] if history else None}
-    path = write_head(out, head, subset, cfg, info, getattr(mx, args.dtype))
-    log(f"wrote {path} ({path.stat().st_size / 1e6:.1f} MB) and {out / 'mtp.json'}; "
-        f"use: --drafter mtp --mtp-weights {path}")
-    return 0
 
 
 if __name__ == "__main__":

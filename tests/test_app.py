@@ -121,8 +121,27 @@ def test_settings_roundtrip_and_broken_file(config_dir):
     assert Settings.load() == Settings()
     settings_path().write_text(json.dumps({"num_draft": "lots", "temperature": -3, "drafter": "x", "junk": 1}))
     s = Settings.load()
-    assert (s.num_draft, s.temperature, s.drafter) == (4, 0.0, "ngram")
+    assert (s.num_draft, s.temperature, s.drafter) == ("auto", 0.0, "ngram")
     assert Settings(num_draft="auto").num_draft == "auto"
+    assert Settings().num_draft == "auto"  # the default: drafts k = 1 from the first cycle, then what pays
+
+
+@pytest.mark.anyio
+async def test_restored_settings_are_shown_in_the_stats_panel(tiny_model, config_dir):
+    from app.settings import Settings
+
+    Settings(num_draft=1, temperature=0.2).save()
+    app = make_app("--model", str(tiny_model), "--drafter", "ngram", "--no-save")
+    assert app.settings.restored == {"num_draft": 1, "temperature": 0.2}
+    async with app.run_test(size=(120, 40)) as pilot:
+        await loaded(pilot, app)
+        panel = app.query_one("StatsPanel")
+        assert "restored from settings.json: k 1, temp 0.2" in panel.text
+        await pilot.press("f4")  # changed here: no longer a restored value
+        assert "restored from settings.json: temp 0.2" in panel.text
+    # given on the command line: not restored; --reset: the defaults
+    assert make_app("--temp", "0.5").settings.restored == {"num_draft": 1}
+    assert make_app("--reset").settings == Settings()
 
 
 def test_cli_overrides_saved_settings(config_dir):

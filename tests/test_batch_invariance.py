@@ -56,14 +56,6 @@ def test_unquantized_model_is_invariant_too():
         assert np.array_equal(full, singles), f"k+1={n}"
 
 
-@pytest.mark.cpu_exact
-def test_stock_model_is_not_invariant():
-    """What the patch is for: the stock quantized model differs between verify and single passes."""
-    model = quantized("llama", 4, patched=False)
-    diffs = [n for n in range(2, 10) if not np.array_equal(*verify_vs_singles(model, n))]
-    assert diffs, "stock MLX became batch invariant here: the patch may no longer be needed"
-
-
 def test_patched_layers_use_the_batch_qmm_op():
     from mlx_engine.batch_invariant import _QEmbedding, _QLinear
 

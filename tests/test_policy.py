@@ -40,6 +40,22 @@ def test_picks_plain_decoding_when_drafts_are_rejected():
     assert stretches[-1] == p.max_stretch
 
 
+def test_a_flat_pair_of_costs_does_not_make_long_drafts_look_free():
+    # a k = 1 cycle timed as cheap as a plain token (noise, or the drafter's upkeep inside plain tokens):
+    # extrapolating that flat would price k = 8 like k = 1 and pick it at any acceptance
+    p = trained({0: 1.0, 1: 1.0}, [0.3])
+    assert p.estimated_cost(8) >= 1.0 + 7 * p.min_step_cost
+    assert p.choose() == 1
+
+
+def test_a_deeper_position_looks_no_better_than_the_one_before():
+    p = AdaptivePolicy(max_k=4)
+    for _ in range(40):
+        p.observe(1, 0, 1.0)  # position 1: mostly rejected
+    p.observe(2, 2, 1.2)  # position 2 reached once, and accepted
+    assert p.acceptance[1] <= p.acceptance[0] + 1 / (1 + p.prior_weight)  # one accept against a low prior
+
+
 def test_observations_update_costs_and_conditional_acceptance():
     p = AdaptivePolicy(max_k=4, smoothing=1.0, prior_weight=0.0)
     p.observe(0, 0, 0.5, tokens=10)
@@ -70,11 +86,12 @@ def test_catch_up_cycle_after_a_plain_stretch_is_not_timed():
 
 
 def simulate(p: AdaptivePolicy, acceptance: list[float], tokens: int, seed: int = 0,
-             gen_len: int | None = None, base: float = 1.2, regime=None) -> tuple[float, int]:
+             gen_len: int | None = None, base: float = 1.2, regime=None, trace: list | None = None) -> tuple[float, int]:
     """Drive the policy the way the engine does with modelled costs (plain token 1, a cycle drafting k
     base + 0.1 k) and a seeded drafter accepting position i with probability acceptance[i], over
-    generations of `gen_len` tokens (default: one long one), each begun in `regime`.
-    -> (modelled time for `tokens` tokens, tokens produced by drafting cycles)."""
+    generations of `gen_len` tokens (default: one long one), each begun in `regime`; `trace` gets the k
+    of every cycle (0: a plain stretch). -> (modelled time for `tokens` tokens, tokens produced by drafting
+    cycles)."""
     import random
 
     rng, time_, made, drafted_tokens = random.Random(seed), 0.0, 0, 0
@@ -86,6 +103,8 @@ def simulate(p: AdaptivePolicy, acceptance: list[float], tokens: int, seed: int 
             remaining = gen_len - in_gen
             wanted = p.next_k()
             k = min(wanted, remaining - 1)
+            if trace is not None:
+                trace.append(max(k, 0))
             if k <= 0:
                 n = min(p.plain_run(), remaining) if wanted <= 0 else 1
                 if wanted <= 0:
@@ -120,6 +139,26 @@ def test_a_useless_drafter_with_costly_cycles_costs_little():
     for gen_len in (40, None):
         time_, drafted = simulate(AdaptivePolicy(max_k=8), [0.0], 4000, 0, gen_len, base=1.4)
         assert time_ <= 4000 / 0.98, gen_len
+
+
+def test_optimistic_start_drafts_from_the_first_cycle():
+    """No evidence yet: auto drafts at k = 1 from the first cycle, so a short answer is drafted from its start."""
+    trace = []
+    time_, drafted = simulate(AdaptivePolicy(max_k=8), [0.7], 40, trace=trace)
+    assert trace[:4] == [1, 1, 1, 1]  # drafting within the first 4 cycles (from the first, in fact)
+    assert time_ < 40  # a useful drafter: the short answer already beats plain decoding (modelled)
+
+
+def test_optimistic_start_costs_a_useless_drafter_a_few_percent_per_answer():
+    # a fresh policy for every answer, as each CLI run has: the first burst is paid each time (modelled:
+    # ~0.96 of plain at 64 tokens, ~0.98 at 256, the same as timing plain decoding first did)
+    for gen_len, speed in ((64, 0.95), (256, 0.97)):
+        for seed in range(3):
+            time_, drafted = simulate(AdaptivePolicy(max_k=8), [0.0], gen_len, seed)
+            assert time_ <= gen_len / speed, (gen_len, seed)
+    # a drafting cycle costing 1.5 plain tokens (a k = 1 cycle can on this CPU), answers of 256 tokens
+    time_, _ = simulate(AdaptivePolicy(max_k=8), [0.0], 256, 0, base=1.4)
+    assert time_ <= 256 / 0.96
 
 
 def test_a_hopeless_burst_ends_early():

@@ -109,3 +109,78 @@ def test_reduced_vocabulary_head(setup, tmp_path):
     outside = np.setdiff1d(np.arange(320), np.array(sorted(subset)))
     assert float(mx.abs(d.probs[:, mx.array(outside)]).max()) == 0.0
     assert np.allclose(np.array(d.probs.sum(-1)), 1.0, atol=1e-5)
+
+
+def test_help_explains_every_flag_with_its_default():
+    from mlx_engine.train_mtp import _parser
+
+    parser = _parser()
+    text = " ".join(parser.format_help().split())
+    for action in parser._actions:
+        if action.dest == "help":
+            continue
+        assert action.help, action.option_strings
+        if action.default not in (None, False):
+            assert f"(default: {action.default})" in text, action.option_strings
+
+
+def test_steps_0_does_nothing_expensive(tmp_path, monkeypatch):
+    import mlx_engine.default_model as dm
+    import mlx_engine.train_mtp as tm
+
+    def expensive(*a, **k):
+        raise AssertionError("--steps 0 must not load a model or generate a corpus")
+
+    monkeypatch.setattr(dm, "default_model_path", expensive)
+    monkeypatch.setattr(tm, "generate_corpus", expensive)
+    assert main(["--out", str(tmp_path / "out"), "--steps", "0"]) == 0
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_interrupted_run_leaves_a_resumable_state(setup, tmp_path, monkeypatch):
+    """Ctrl-C while the corpus is generated keeps the answers made so far; Ctrl-C while training keeps a
+    checkpoint; the same command with --resume finishes the run."""
+    import mlx_engine.train_mtp as tm
+
+    root, folder, m, _ = setup
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"question {i} about foxes"}) + "\n" for i in range(6)))
+    out = tmp_path / "out"
+    argv = ["--model", str(folder), "--out", str(out), "--prompts", str(prompts), "--gen-tokens", "24",
+            "--gen-batch", "2", "--steps", "6", "--seq-len", "8", "--batch", "2", "--ckpt-every", "100", "--log-every", "1"]
+    real_generate, calls, interrupt_at = tm.generate_corpus, [], [2]
+
+    def generate_then_interrupt(target, batch_prompts, *a, **k):
+        calls.append(len(batch_prompts))
+        if len(calls) in interrupt_at:
+            raise KeyboardInterrupt
+        return real_generate(target, batch_prompts, *a, **k)
+
+    monkeypatch.setattr(tm, "generate_corpus", generate_then_interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        main(argv)
+    assert len(read_corpus(out / tm.GENERATED_PART)) == 2  # the first batch of answers is kept
+
+    real_step, steps = tm.Trainer.train_step, []
+
+    def step_then_interrupt(self):
+        if self.step == 3:
+            raise KeyboardInterrupt
+        steps.append(self.step)
+        return real_step(self)
+
+    monkeypatch.setattr(tm.Trainer, "train_step", step_then_interrupt)
+    calls.clear()
+    interrupt_at.clear()
+    with pytest.raises(KeyboardInterrupt):
+        main(argv)
+    assert calls == [2, 2]  # only the prompts left were answered
+    assert len(read_corpus(out / tm.GENERATED)) == 6 and not (out / tm.GENERATED_PART).exists()
+    assert json.loads((out / "checkpoint" / "state.json").read_text())["step"] == 3
+    assert not (out / "mtp.safetensors").exists()
+
+    monkeypatch.setattr(tm.Trainer, "train_step", real_step)
+    calls.clear()
+    assert main(argv + ["--resume"]) == 0
+    assert calls == []  # the corpus is complete: nothing generated again
+    assert json.loads((out / "mtp.json").read_text())["steps"] == 6

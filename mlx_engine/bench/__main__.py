@@ -8,7 +8,10 @@ def main(argv=None) -> int:
     if argv[:1] == ["verify"]:
         from ..bench_verify import main as verify_main
 
-        return verify_main(argv[1:])
+        rc = verify_main(argv[1:])
+        from .invariance import main as invariance_main  # a device property: reported, not tested
+
+        return rc or invariance_main()
     from .suite import main as suite_main
 
     return suite_main(argv)

@@ -12,7 +12,6 @@ acceptance, E (tokens per verify), C (seconds per cycle in units of one engine-p
 acceptance per draft position, peak memory.
 """
 
-import argparse
 import json
 import platform
 import statistics
@@ -23,14 +22,27 @@ from pathlib import Path
 import mlx.core as mx
 
 from .. import _platform
+from ..args import ArgumentParser, count, fail, float_list, int_list, interrupted
 from ..drafters.draft_model import DraftModelDrafter
 from ..drafters.ngram import NgramDrafter
 from ..engine import Engine
-from ..models import load
+from ..models import ModelLoadError, load
 from .chart import speedup_chart
 from .modes import Mode, Result, run_engine, run_mlx_lm
 
 PROMPTS = Path(__file__).resolve().parents[2] / "bench" / "prompts"
+BASELINES = ("mlx-lm plain", "engine plain")
+
+
+def default_out() -> Path:
+    """Where results go without --out: the user's cache folder, never the source tree."""
+    from ..default_model import cache_dir
+
+    return cache_dir() / "bench" / "latest.json"
+
+
+class BenchInputError(ValueError):
+    """A flag or file the bench cannot use; reported as one `error:` line, exit status 2."""
 
 
 def truncated_copy(model, n_layers: int):
@@ -70,16 +82,22 @@ def randomized_head(drafter):
     return drafter
 
 
-def load_prompts(suite: str, n: int, tokenizer) -> list[list[int]]:
+def suite_file(suite: str) -> Path:
     path = PROMPTS / f"{suite}.jsonl"
     if not path.exists():
-        raise SystemExit(f"error: no prompt suite {path}")
+        known = ", ".join(sorted(p.stem for p in PROMPTS.glob("*.jsonl")))
+        raise BenchInputError(f"no prompt suite {suite!r} in {PROMPTS} (suites: {known})")
+    return path
+
+
+def load_prompts(suite: str, n: int, tokenizer) -> list[list[int]]:
+    path = suite_file(suite)
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()][:n]
     return [list(tokenizer.apply_chat_template(r["messages"], add_generation_prompt=True)) for r in rows]
 
 
 def build_modes(args, model, draft_model, mtp, random_mtp) -> list[Mode]:
-    ks = [int(k) for k in args.ks.split(",") if k]
+    ks = args.ks
     modes = [Mode("mlx-lm plain", lambda p, n, t, s: run_mlx_lm(model, p, n, t, s), "mlx-lm")]
     for k in ks:
         modes.append(Mode(f"mlx-lm draft k={k}", lambda p, n, t, s, k=k: run_mlx_lm(model, p, n, t, s, draft_model, k), "mlx-lm"))
@@ -96,7 +114,7 @@ def build_modes(args, model, draft_model, mtp, random_mtp) -> list[Mode]:
         try:
             subset = load_vocab_subset(args.draft_vocab_subset, model.args.vocab_size)
         except (OSError, ValueError) as e:
-            raise SystemExit(f"error: --draft-vocab-subset: {e}") from None
+            raise BenchInputError(f"--draft-vocab-subset: {e}") from None
     drafters = {"draft": lambda: DraftModelDrafter(draft_model, model.args.vocab_size, vocab_subset=subset),
                 "ngram": NgramDrafter}
     if mtp is not None:
@@ -107,8 +125,14 @@ def build_modes(args, model, draft_model, mtp, random_mtp) -> list[Mode]:
         modes.append(engine_mode(f"engine {name} auto", make(), "auto"))
     if random_mtp is not None:
         modes.append(engine_mode("engine mtp-random auto", random_mtp(), "auto"))
-    wanted = [m.strip() for m in args.modes.split(",")] if args.modes else None
-    return [m for m in modes if not wanted or any(w in m.name for w in wanted)]
+    wanted = [m.strip() for m in args.modes.split(",") if m.strip()] if args.modes else None
+    chosen = [m for m in modes if not wanted or any(w in m.name for w in wanted)]
+    if not chosen:
+        raise BenchInputError(f"--modes {args.modes!r} matches none of: {', '.join(m.name for m in modes)}")
+    if not any(m.name in BASELINES for m in chosen):  # every speedup needs a plain run beside it
+        print("note: adding 'engine plain' as the baseline of the speedups", file=sys.stderr)
+        chosen.insert(0, next(m for m in modes if m.name == "engine plain"))
+    return chosen
 
 
 def summarise(results: list[Result]) -> dict:
@@ -158,18 +182,20 @@ def print_table(rows: list[dict]) -> None:
     for col in ("mode", "temp", "tok/s", "vs mlx-lm", "vs plain", "e2e vs mlx-lm", "accept", "E", "C", "S", "per position",
                 "peak MB"):
         table.add_column(col, justify="left" if col in ("mode", "per position") else "right")
+    def x(v):  # a speedup, or "-" when its baseline did not run
+        return "-" if v is None else f"{v:.2f}x"
+
     for r in rows:
         acc = "-" if r["acceptance"] is None else f"{r['acceptance']:.2f}"
         per = " ".join(f"{a:.2f}" for a in r["acceptance_per_position"][:6])
-        table.add_row(r["mode"], f"{r['temp']:g}", f"{r['tok_s']:.2f}", f"{r['speedup_vs_mlx_lm_plain']:.2f}x",
-                      "-" if r["speedup_vs_engine_plain"] is None else f"{r['speedup_vs_engine_plain']:.2f}x",
-                      f"{r['e2e_speedup_vs_mlx_lm_plain']:.2f}x", acc,
+        table.add_row(r["mode"], f"{r['temp']:g}", f"{r['tok_s']:.2f}", x(r["speedup_vs_mlx_lm_plain"]),
+                      x(r["speedup_vs_engine_plain"]), x(r["e2e_speedup_vs_mlx_lm_plain"]), acc,
                       f"{r['E']:.2f}", f"{r['C']:.2f}", f"{r['S']:.2f}", per, f"{r['peak_memory_mb']:.0f}")
     Console(width=170).print(table)
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m mlx_engine.bench", description=__doc__.split("\n\n")[0])
+def parser() -> ArgumentParser:
+    ap = ArgumentParser(prog="python -m mlx_engine.bench", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", help="model (default: the embedded SmolLM2-135M-Instruct, fp32)")
     ap.add_argument("--draft-model", default="layers:6",
                     help="draft model for mlx-lm and --drafter draft: a path, or layers:N = the target's first N layers (default layers:6)")
@@ -178,28 +204,52 @@ def main(argv=None) -> int:
                          "MTP head file); mlx-lm's draft modes always score the full vocabulary")
     ap.add_argument("--mtp-weights", help="MTP head file (default: found next to the model)")
     ap.add_argument("--random-head", action="store_true", help="also run auto with a randomly initialised MTP head")
-    ap.add_argument("--suite", default="chat", help="prompt suite in bench/prompts (chat, code, long)")
-    ap.add_argument("--prompts", type=int, default=8, help="prompts from the suite (default 8)")
-    ap.add_argument("--max-tokens", type=int, default=64, help="tokens per generation (default 64)")
-    ap.add_argument("--trials", type=int, default=3, help="timed trials, after one warm-up (default 3)")
-    ap.add_argument("--temps", default="0,0.7", help="temperatures (default 0,0.7)")
-    ap.add_argument("--ks", default="1,2,3", help="fixed draft lengths (default 1,2,3)")
-    ap.add_argument("--modes", default="", help="only modes whose names contain one of these (comma-separated)")
-    ap.add_argument("--out", default="bench/results/latest.json", help="JSON results file")
+    ap.add_argument("--suite", default="chat", help="prompt suite in bench/prompts (chat, code, long; default chat)")
+    ap.add_argument("--prompts", type=count(1), default=8, help="prompts from the suite (default 8)")
+    ap.add_argument("--max-tokens", type=count(2), default=64,
+                    help="tokens per generation, >= 2: decode speed is timed after the first (default 64)")
+    ap.add_argument("--trials", type=count(1), default=3, help="timed trials, after one warm-up (default 3)")
+    ap.add_argument("--temps", type=float_list(0.0), default=[0.0, 0.7], help="temperatures (default 0,0.7)")
+    ap.add_argument("--ks", type=int_list(1), default=[1, 2, 3], help="fixed draft lengths, each >= 1 (default 1,2,3)")
+    ap.add_argument("--modes", default="",
+                    help="only modes whose names contain one of these (comma-separated); 'engine plain' is added as "
+                         "the baseline when neither plain mode is chosen (default: every mode)")
+    ap.add_argument("--out", default=None,
+                    help=f"JSON results file (default: {default_out()}, outside the source tree)")
     ap.add_argument("--chart", default=None, help="PNG chart (default: next to --out)")
-    args = ap.parse_args(argv)
+    return ap
 
+
+def main(argv=None) -> int:
+    try:
+        args = parser().parse_args(argv)
+    except SystemExit as e:  # --help, or a bad flag (one `error:` line printed)
+        return e.code
+    try:
+        return run(args, argv)
+    except (BenchInputError, ModelLoadError, FileNotFoundError) as e:
+        return fail(str(e))
+    except KeyboardInterrupt:
+        return interrupted()
+
+
+def load_draft(spec: str, model):
+    if spec.startswith("layers:"):
+        n = spec.split(":", 1)[1]
+        layers = len(model.layers) if hasattr(model, "layers") else None
+        if not n.isdigit() or int(n) < 1 or (layers is not None and int(n) > layers):
+            raise BenchInputError(f"--draft-model {spec!r}: layers:N needs 1 <= N <= {layers or 'the layer count'}")
+        return truncated_copy(model, int(n))
+    return load(spec).model
+
+
+def run(args, argv) -> int:
     from rich.progress import Progress
 
-    if args.model:
-        loaded = load(args.model)
-    else:
-        from ..default_model import default_model_path
-
-        loaded = load(str(default_model_path()))
+    suite_file(args.suite)  # the cheap checks before the model loads
+    loaded = load(args.model)  # None: the embedded default
     model, tok = loaded.model, loaded.tokenizer
-    draft_model = (truncated_copy(model, int(args.draft_model.split(":")[1])) if args.draft_model.startswith("layers:")
-                   else load(args.draft_model).model)
+    draft_model = load_draft(args.draft_model, model)
     mtp = random_mtp = None
     try:
         from ..drafters.mtp import load_mtp_drafter
@@ -209,15 +259,16 @@ def main(argv=None) -> int:
         if args.random_head:
             random_mtp = lambda: randomized_head(mtp())  # noqa: E731
     except (ImportError, ValueError) as e:
+        if args.mtp_weights:  # asked for, so its failure is an error
+            raise BenchInputError(str(e)) from None
         print(f"note: no MTP modes ({e})", file=sys.stderr)
 
     prompts = load_prompts(args.suite, args.prompts, tok)
     modes = build_modes(args, model, draft_model, mtp, random_mtp)
-    temps = [float(t) for t in args.temps.split(",")]
+    temps = args.temps
+    out = Path(args.out) if args.out else default_out()
     results = {(m.name, t): [] for m in modes for t in temps}
     total = (args.trials + 1) * len(modes) * len(temps) * len(prompts)
-    if "mlx-lm plain" not in [m.name for m in modes]:
-        raise SystemExit("error: --modes must keep 'mlx-lm plain' (the baseline of every speedup)")
     from rich.console import Console
 
     console = Console(stderr=True)
@@ -229,7 +280,8 @@ def main(argv=None) -> int:
                 for i, prompt in enumerate(prompts):
                     # every mode on this prompt back to back, the order rotating: drift hits all modes alike
                     shift = (i + trial) % len(modes)
-                    what = f"trial {trial}/{args.trials} t={temp:g} prompt {i + 1}/{len(prompts)}"
+                    label = "warm-up (not timed)" if trial == 0 else f"trial {trial}/{args.trials}"
+                    what = f"{label} t={temp:g} prompt {i + 1}/{len(prompts)}"
                     progress.update(task, description=what)
                     if not console.is_terminal:  # a log file: one line per prompt
                         print(f"{time.strftime('%H:%M:%S')} {what}", file=sys.stderr, flush=True)
@@ -247,7 +299,7 @@ def main(argv=None) -> int:
         def paired(name, base, key="tok_s"):  # median over trials of the ratio within a trial
             if base not in per_mode:
                 return None
-            return statistics.median(a[key] / b[key] for a, b in zip(per_mode[name], per_mode[base]))
+            return statistics.median(a[key] / b[key] if b[key] else 0.0 for a, b in zip(per_mode[name], per_mode[base]))
 
         plain = statistics.median(t["tok_s"] for t in per_mode["engine plain"]) if "engine plain" in per_mode else None
         for name, trials in per_mode.items():
@@ -262,7 +314,6 @@ def main(argv=None) -> int:
                          "C": c, "S": best["E"] / c if c else 0.0})
     print_table(rows)
 
-    out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     report = {"command": "python -m mlx_engine.bench " + " ".join(argv if argv is not None else sys.argv[1:]),
               "date": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": machine(), "model": str(loaded.path),
@@ -270,8 +321,10 @@ def main(argv=None) -> int:
     out.write_text(json.dumps(report, indent=1))
     chart = Path(args.chart) if args.chart else out.with_suffix(".png")
     names = [m.name for m in modes]
-    series = {f"temp {t:g}": [next(r["speedup_vs_mlx_lm_plain"] for r in rows if r["mode"] == n and r["temp"] == t)
-                              for n in names] for t in temps}
-    speedup_chart(chart, names, series, f"speedup over mlx-lm plain, {args.suite} suite")
+    base = "mlx-lm plain" if "mlx-lm plain" in names else "engine plain"
+    key = "speedup_vs_mlx_lm_plain" if base == "mlx-lm plain" else "speedup_vs_engine_plain"
+    series = {f"temp {t:g}": [next(r[key] for r in rows if r["mode"] == n and r["temp"] == t) for n in names]
+              for t in temps}
+    speedup_chart(chart, names, series, f"speedup over {base}, {args.suite} suite")
     print(f"wrote {out} and {chart}", file=sys.stderr)
     return 0

@@ -66,33 +66,60 @@ def default_dtype() -> mx.Dtype | None:
     return mx.float32 if mx.default_device() == mx.cpu else None
 
 
-def load(path_or_repo: str, dtype: mx.Dtype | None | str = "auto", lazy: bool = False) -> LoadedModel:
-    """Load model + tokenizer. dtype: "auto" (fp32 on CPU), None (as stored) or an mx dtype."""
+def _could_not_load(path: Path, e: Exception) -> str:
+    """The loader's message, prefixed with the model's path unless it names a file of the model already."""
+    return str(e) if str(path) in str(e) else f"could not load {path}: {e}"
+
+
+def default_model() -> str:
+    """The embedded default, SmolLM2-135M-Instruct with its trained MTP head (built in the cache on first
+    use: mlx_engine.default_model)."""
+    from ..default_model import default_model_path
+
+    try:
+        return str(default_model_path())
+    except Exception as e:  # no registry reachable, a broken cache...
+        raise ModelLoadError(f"the embedded default model is not available ({type(e).__name__}: {e}); "
+                             f"pass a model path, hub id or .gguf file") from e
+
+
+def load(path_or_repo: str | None = None, dtype: mx.Dtype | None | str = "auto", lazy: bool = False) -> LoadedModel:
+    """Load model + tokenizer (None: the embedded default model). dtype: "auto" (fp32 on CPU), None (as
+    stored) or an mx dtype."""
     from mlx_lm.utils import load_tokenizer
 
     from .hf_weights import load_model  # mlx-lm's, with MTP tensors set aside before sanitize
 
     if dtype == "auto":
         dtype = default_dtype()
-    path = resolve(path_or_repo)
+    path = resolve(default_model() if path_or_repo is None else path_or_repo)
     if path.is_file() and path.suffix == ".gguf":
         from .gguf import load_gguf
 
-        model, tokenizer, config = load_gguf(path, dtype=dtype)
+        try:
+            model, tokenizer, config = load_gguf(path, dtype=dtype)
+        except (ValueError, KeyError, RuntimeError) as e:
+            raise ModelLoadError(_could_not_load(path, e)) from e
         return LoadedModel(model, tokenizer, config, path)
     if path.is_file():
         raise ModelLoadError(f"{path} is a file but not a .gguf; expected a model folder or a GGUF file")
     if not (path / "config.json").exists():
         raise ModelLoadError(f"{path} has no config.json: not a model folder")
+    from .hf_weights import check_complete, weight_files
+
     try:
+        for f in weight_files(path):
+            check_complete(f)
         model, config, _ = load_model(path, lazy=True)
         tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
+        if dtype is not None:
+            cast_floats(model, dtype)
+        if not lazy:
+            mx.eval(model.parameters())
     except (ValueError, FileNotFoundError, KeyError) as e:
-        raise ModelLoadError(f"could not load {path}: {e}") from e
-    if dtype is not None:
-        cast_floats(model, dtype)
-    if not lazy:
-        mx.eval(model.parameters())
+        raise ModelLoadError(_could_not_load(path, e)) from e
+    except RuntimeError as e:  # MLX's reader: a truncated or corrupt weights file
+        raise ModelLoadError(f"could not load {path}: a weights file is truncated or corrupt ({e})") from e
     return LoadedModel(model, tokenizer, config, path)
 
 

@@ -126,24 +126,40 @@ def read_gguf(path: str | Path) -> GGUFFile:
         raise ValueError(f"{path} is not a GGUF file")
     cur = _Cursor(buf)
     cur.pos = 4
-    version = cur.unpack("<I")
-    if version not in (2, 3):
-        raise ValueError(f"{path}: unsupported GGUF version {version} (v1 and big-endian files are not supported)")
-    n_tensors, n_kv = cur.unpack("<Q"), cur.unpack("<Q")
-    metadata = {}
-    for _ in range(n_kv):
-        key = cur.string()
-        metadata[key] = cur.value(cur.unpack("<I"))
-    infos = []
-    for _ in range(n_tensors):
-        name = cur.string()
-        dims = [cur.unpack("<Q") for _ in range(cur.unpack("<I"))]
-        qtype, offset = QT(cur.unpack("<I")), cur.unpack("<Q")
-        infos.append((name, tuple(reversed(dims)), qtype, offset))
+    try:
+        version = cur.unpack("<I")
+        if version not in (2, 3):
+            raise ValueError(f"{path}: unsupported GGUF version {version} (v1 and big-endian files are not supported)")
+        n_tensors, n_kv = cur.unpack("<Q"), cur.unpack("<Q")
+        metadata = {}
+        for _ in range(n_kv):
+            key = cur.string()
+            metadata[key] = cur.value(cur.unpack("<I"))
+        infos = []
+        for _ in range(n_tensors):
+            name = cur.string()
+            dims = [cur.unpack("<Q") for _ in range(cur.unpack("<I"))]
+            qtype, offset = QT(cur.unpack("<I")), cur.unpack("<Q")
+            infos.append((name, tuple(reversed(dims)), qtype, offset))
+    except (struct.error, KeyError, IndexError) as e:
+        raise ValueError(f"{path} is truncated or corrupt: its header is cut off or unreadable "
+                         f"(the file has {buf.size} bytes)") from None
     alignment = int(metadata.get("general.alignment", 32))
     data_start = -(-cur.pos // alignment) * alignment
+    need = max((data_start + off + _nbytes(shape, qt) for _, shape, qt, off in infos), default=data_start)
+    if need > buf.size:
+        raise ValueError(f"{path} is truncated: its tensors need {need} bytes, the file has {buf.size} "
+                         f"(an incomplete download or copy?)")
     tensors = {name: _tensor(buf, data_start + off, shape, qt) for name, shape, qt, off in infos}
     return GGUFFile(path, metadata, tensors)
+
+
+def _nbytes(shape: tuple[int, ...], qtype: QT) -> int:
+    rows = int(np.prod(shape[:-1], dtype=np.int64))
+    if qtype in _FLOAT_TYPES:
+        return rows * shape[-1] * np.dtype(_FLOAT_TYPES[qtype]).itemsize
+    block, block_bytes = GGML_QUANT_SIZES[qtype]
+    return rows * (shape[-1] // block * block_bytes)
 
 
 def _tensor(buf: np.ndarray, start: int, shape: tuple[int, ...], qtype: QT) -> GGUFTensor:

@@ -44,6 +44,25 @@ def weight_files(folder: Path) -> list[Path]:
     return [Path(p) for p in sorted(glob.glob(str(folder / "model*.safetensors")))]
 
 
+def check_complete(path) -> None:
+    """Refuse a truncated or corrupt safetensors file, naming it (MLX's own reader names the tensor, not
+    the file): the header's tensor offsets must fit in the file."""
+    path = Path(path)
+    size = path.stat().st_size
+    try:
+        with open(path, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            if size < 8 or n <= 0 or 8 + n > size:
+                raise ValueError("its header is cut off")
+            header = json.loads(f.read(n))
+        need = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
+    except (OSError, ValueError, KeyError, TypeError, IndexError) as e:
+        raise ValueError(f"{path} is not a readable safetensors file ({e}): truncated or corrupt?") from None
+    if 8 + n + need > size:
+        raise ValueError(f"{path} is truncated: its tensors need {8 + n + need} bytes, the file has {size} "
+                         f"(an incomplete download or copy?)")
+
+
 def read_weights(folder: Path, keep=None) -> dict[str, mx.array]:
     """All tensors of the shards (lazily loaded); `keep(name)` selects some."""
     out: dict[str, mx.array] = {}

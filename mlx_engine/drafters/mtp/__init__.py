@@ -68,13 +68,30 @@ SUPPORTED = {
 }
 
 
-def family_module(config: dict):
+def family_module(config: dict, model_path=None):
     mt = config.get("model_type")
     if mt not in SUPPORTED:
+        where = f"{model_path} has no MTP head: " if model_path is not None else ""
         raise UnsupportedFamilyError(
-            f"model family {mt!r} has no MTP drafter here (supported: {', '.join(sorted(SUPPORTED))})"
+            f"{where}model family {mt!r} ships no MTP head (native heads supported: "
+            f"{', '.join(sorted(SUPPORTED))}). Train one with `python -m mlx_engine train-mtp --model MODEL "
+            f"--out DIR` and pass --mtp-weights DIR/{HEAD_FILE}"
         )
     return importlib.import_module(f"{__name__}.{SUPPORTED[mt]}")
+
+
+def _check_head_file(path: Path) -> None:
+    """A head file given by the user: it must exist and be complete (named in the error, never blamed on
+    the model's family)."""
+    from ...models.hf_weights import check_complete
+
+    if not path.is_file():
+        raise MissingHeadError(f"MTP weights file {path} does not exist")
+    if not _is_gguf(path):
+        try:
+            check_complete(path)
+        except ValueError as e:
+            raise MTPWeightsError(f"cannot read MTP weights file: {e}") from None
 
 
 def _float_dtype(model: nn.Module):
@@ -187,8 +204,8 @@ def _trained_head_file(model_path, mtp_weights) -> Path | None:
         return None
     try:
         _, meta = mx.load(str(path), return_metadata=True)
-    except Exception:
-        return None
+    except Exception as e:
+        raise MTPWeightsError(f"cannot read MTP weights file {path}: {e}") from e
     return path if is_trained(meta) else None
 
 
@@ -234,10 +251,20 @@ def _load_trained(model: nn.Module, config: dict, path: Path, dtype) -> MTPHead:
 
 def load_head(model: nn.Module, model_path, config: dict, mtp_weights=None, dtype="auto") -> MTPHead:
     """Build the family's head and load its weights (see the module docstring for where from)."""
+    if mtp_weights is not None:
+        _check_head_file(Path(mtp_weights))
+    elif model_path is not None and Path(model_path).is_file():  # a GGUF: no folder to find a head in,
+        from ...default_model import matching_head  # but a head shipped here may match it
+
+        mtp_weights = matching_head(model_path, config)
     trained_file = _trained_head_file(model_path, mtp_weights)
     if trained_file is not None:
         return _load_trained(model, config, trained_file, dtype)
-    fam = family_module(config)
+    if mtp_weights is not None and config.get("model_type") not in SUPPORTED:
+        raise HeadMismatchError(
+            f"{mtp_weights} does not fit this {config.get('model_type')} model: a family without native MTP "
+            f"heads takes only a head trained by `python -m mlx_engine train-mtp` (metadata family=trained)")
+    fam = family_module(config, model_path)
     family = config.get("model_type")
     tc = text_config(config)
     quant = None
