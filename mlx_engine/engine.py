@@ -24,7 +24,7 @@ from . import cache as cache_ops
 from . import host, kernels
 from .batch_invariant import is_batch_invariant, make_batch_invariant
 from .kernels.acceptance import uniforms_from_key
-from .drafters.base import Draft, Drafter, Verdict
+from .drafters.base import Draft, Drafter, HiddenRequest, Verdict, hidden_request
 from .policy import AdaptivePolicy, FixedPolicy
 from .sampling import SamplingConfig, probabilities, process_logits
 from .stats import SpecStats
@@ -101,6 +101,7 @@ class Engine:
         self.cache: list = []
         self._cached: list[int] = []  # the tokens the cache holds, in order
         self._cached_hidden: list[mx.array] = []  # their hidden states (when the drafter needs them)
+        self._cached_request: HiddenRequest | None = None  # which hidden states those rows are
 
     # -- the one place where cache bookkeeping happens -------------------------------------------
     def _commit(self, ckpt, verdict: Verdict, hidden) -> None:
@@ -144,9 +145,11 @@ class Engine:
             return None
         return mx.concatenate([mx.array(self._history[-cfg.repetition_context :]), draft])
 
-    def _reusable_prefix(self, prompt: list[int], want_hidden: bool) -> int:
+    def _reusable_prefix(self, prompt: list[int], want_hidden: HiddenRequest | None) -> int:
         """Tokens of `prompt` the current cache already holds and can keep (0 = start afresh)."""
         if not self.cache or (want_hidden and len(self._cached_hidden) == 0 and self._cached):
+            return 0
+        if want_hidden and want_hidden != self._cached_request:  # rows of other hidden states
             return 0
         m = 0
         for a, b in zip(prompt[:-1], self._cached):  # the last prompt token is always fed: it gives logits
@@ -165,7 +168,7 @@ class Engine:
             self._cached_hidden = [h]
         return m
 
-    def _prefill(self, prompt: list[int], cfg: GenerationConfig, want_hidden: bool):
+    def _prefill(self, prompt: list[int], cfg: GenerationConfig, want_hidden: HiddenRequest | None):
         """Feed prompt[:-1] in chunks, then the last prompt token alone (as mlx-lm does), reusing the
         cache of a common prefix with the previous generation. Returns (logits, hidden of the prompt)."""
         reused = self._reusable_prefix(prompt, want_hidden) if cfg.reuse_cache else 0
@@ -184,6 +187,7 @@ class Engine:
         hidden = mx.concatenate(hidden) if want_hidden else None
         self._cached = list(prompt)
         self._cached_hidden = [hidden] if want_hidden else []
+        self._cached_request = want_hidden
         return logits, hidden
 
     def _emit(self, tokens: list[int], cfg: GenerationConfig) -> tuple[list[int], bool]:
@@ -203,7 +207,7 @@ class Engine:
         if max(prompt) >= vocab or min(prompt) < 0:
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
         sampling, drafter = cfg.sampling, self.drafter
-        want_hidden = drafter is not None and drafter.needs_hidden
+        want_hidden = hidden_request(drafter)  # which target hidden states the drafter reads, or None
         if drafter is None:
             policy = FixedPolicy(0)
         else:
@@ -303,7 +307,9 @@ class Engine:
         self._target_key, key = mx.random.split(self._target_key)
         return key
 
-    def _plain(self, cfg: GenerationConfig, n_tokens: int, want_hidden: bool, t_decode: float) -> Iterator[Step]:
+    def _plain(
+        self, cfg: GenerationConfig, n_tokens: int, want_hidden: HiddenRequest | None, t_decode: float
+    ) -> Iterator[Step]:
         """Decode n_tokens plainly, pipelined as in mlx-lm: step i+1 is built and started before token i
         is read. One host read per token; the drafter (if any) is kept in step with k = 0 commits."""
         sampling, stats, drafter = cfg.sampling, self.stats, self.drafter

@@ -1,14 +1,17 @@
-"""The target model: any mlx-lm model, plus capture of the hidden state its lm_head scores.
+"""The target model: any mlx-lm model, plus capture of the hidden states a drafter reads.
 
 mlx-lm models are `Model(inputs, cache) -> logits` with an inner `model` whose output is the
-final-normed hidden state. We never fork a model class: to capture that hidden state we swap the inner
-module's class for a subclass whose __call__ records its output (parameters and names are untouched).
+final-normed hidden state and whose `layers` are the decoder layers. We never fork a model class: to
+capture a module's output we swap that instance's class for a subclass whose __call__ records it
+(parameters and names are untouched). What is captured is a HiddenRequest (drafters/base.py): the
+outputs of chosen decoder layers (EAGLE-3, DFlash) and/or the final-normed state (MTP heads).
 """
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from .cache import make_cache
+from .drafters.base import FINAL_HIDDEN, HiddenRequest
 from .hybrid import enable_per_token_states
 
 
@@ -28,7 +31,8 @@ def _install_capture(module: nn.Module) -> None:
     def __call__(self, *args, **kwargs):
         out = cls.__call__(self, *args, **kwargs)
         if self._capture_on:  # object.__setattr__: nn.Module would store an array in its parameter dict
-            object.__setattr__(self, "_captured", out)
+            # a decoder layer may return (hidden, extras): keep the hidden state
+            object.__setattr__(self, "_captured", out[0] if isinstance(out, tuple) else out)
         return out
 
     module.__class__ = type(cls.__name__, (cls,), {"__call__": __call__, "_mlx_engine_capture": True})
@@ -37,7 +41,7 @@ def _install_capture(module: nn.Module) -> None:
 
 
 class Target:
-    """Wraps an mlx-lm model. `forward(tokens, cache, hidden=True)` -> (logits [n, V], hidden [n, H] | None)."""
+    """Wraps an mlx-lm model. `forward(tokens, cache, request)` -> (logits [n, V], hidden [n, H'] | None)."""
 
     def __init__(self, model: nn.Module):
         self.model = model
@@ -61,14 +65,42 @@ class Target:
     def make_cache(self) -> list:
         return make_cache(self.model)
 
-    def forward(self, tokens: mx.array, cache: list, hidden: bool = False):
-        object.__setattr__(self.inner, "_capture_on", hidden)
-        logits = self.model(tokens[None], cache=cache)[0]
-        h = None
-        if hidden:
-            h = self.inner._captured[0]
-            object.__setattr__(self.inner, "_captured", None)
-        return logits, h
+    @property
+    def layers(self) -> list:
+        return list(self.inner.layers)
+
+    def _capture_modules(self, request: HiddenRequest) -> list[nn.Module]:
+        n = len(self.inner.layers)
+        mods = []
+        for i in request.layers:
+            if not -n <= i < n:
+                raise ValueError(f"hidden state of layer {i} requested; the target has {n} layers")
+            mods.append(self.inner.layers[i])
+        if request.final:
+            mods.append(self.inner)
+        for m in mods:
+            _install_capture(m)
+        return mods
+
+    def forward(self, tokens: mx.array, cache: list, request: HiddenRequest | bool | None = None):
+        """Logits of `tokens` [n] and, if `request` (True = the final-normed state), the hidden states it
+        asks for, concatenated along the last axis: [n, H * (len(layers) + final)]."""
+        if request is True:
+            request = FINAL_HIDDEN
+        mods = self._capture_modules(request) if request else []
+        for m in mods:
+            object.__setattr__(m, "_capture_on", True)
+        try:
+            logits = self.model(tokens[None], cache=cache)[0]
+        finally:
+            for m in mods:
+                object.__setattr__(m, "_capture_on", False)
+        if not mods:
+            return logits, None
+        parts = [m._captured[0] for m in mods]
+        for m in mods:
+            object.__setattr__(m, "_captured", None)
+        return logits, parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-1)
 
     def lm_head(self, h: mx.array) -> mx.array:
         """Logits from final-normed hidden states (what MTP heads feed their output through)."""

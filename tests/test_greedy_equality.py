@@ -74,3 +74,32 @@ def test_speculative_greedy_equals_plain(family, kind, k):
         assert stats.cycles < N_TOKENS - 1
     if kind == "random":
         assert stats.drafted > 0 and stats.acceptance_rate < 0.5
+
+
+@pytest.mark.parametrize("family", tiny_models.FAMILIES)
+def test_target_captures_the_hidden_states_a_drafter_asks_for(family):
+    """Target.forward with a HiddenRequest returns the chosen decoder layers' outputs (then the
+    final-normed state), each equal to running the layers by hand, from the same forward pass."""
+    from mlx_engine.cache import make_cache
+    from mlx_engine.drafters.base import HiddenRequest
+    from mlx_engine.target import Target
+
+    model = tiny_models.build(family, seed=1)[0]
+    t = Target(model)
+    n = len(t.layers)
+    req = HiddenRequest(layers=(0, -1), final=True)
+    logits, h = t.forward(mx.array(PROMPT), t.make_cache(), req)
+    H = h.shape[-1] // 3
+    assert h.shape == (len(PROMPT), 3 * H)
+    plain, _ = t.forward(mx.array(PROMPT), t.make_cache())
+    assert mx.array_equal(logits, plain).item()  # capturing changes nothing
+    _, final = t.forward(mx.array(PROMPT), t.make_cache(), True)
+    assert mx.array_equal(h[:, 2 * H :], final).item()
+    _, every = t.forward(mx.array(PROMPT), make_cache(model), HiddenRequest(layers=tuple(range(n)), final=False))
+    assert mx.array_equal(h[:, :H], every[:, :H]).item() and mx.array_equal(h[:, H : 2 * H], every[:, -H:]).item()
+    if family in ("llama", "qwen3"):  # the first layer by hand (these layers take (x, mask, cache))
+        x = t.embed_tokens(mx.array(PROMPT)[None])
+        by_hand = t.layers[0](x, "causal", None)[0]
+        assert mx.allclose(h[:, :H], by_hand, atol=1e-5).item()
+    with pytest.raises(ValueError):
+        t.forward(mx.array(PROMPT), t.make_cache(), HiddenRequest(layers=(n,)))

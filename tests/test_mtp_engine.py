@@ -70,7 +70,7 @@ def test_accepted_slots_are_reevaluated_with_target_hidden(tmp_path_factory, fam
     history = drafter.history
     n = len(history) - 1  # tokens the target has fed
     target = Target(engine_model(model))
-    _, hidden = target.forward(mx.array(history[:-1]), target.make_cache(), hidden=True)
+    _, hidden = target.forward(mx.array(history[:-1]), target.make_cache(), True)
     fresh = load_mtp_drafter(model, folder, config)
     fresh.begin(history, hidden)
     fresh.flush()

@@ -27,7 +27,7 @@ def test_subset_logits_are_the_full_logits_on_the_subset(family):
     model = target(family)
     t = Target(model)
     ids = subset_ids(tiny_models.VOCAB)
-    logits, h = t.forward(mx.array(PROMPT), t.make_cache(), hidden=True)
+    logits, h = t.forward(mx.array(PROMPT), t.make_cache(), True)
     got = SubsetOutput(t, ids, tiny_models.VOCAB)(h)
     off = np.ones(tiny_models.VOCAB, bool)
     off[np.array(ids)] = False

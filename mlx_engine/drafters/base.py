@@ -15,6 +15,24 @@ from ..sampling import SamplingConfig
 
 
 @dataclass(frozen=True)
+class HiddenRequest:
+    """Which target hidden states a drafter reads, captured in the target's own forward pass.
+
+    `layers`: outputs of these decoder layers (0-based; negative counts from the end), concatenated in
+    that order; then, if `final`, the final-normed hidden state the lm_head scores. The engine hands the
+    drafter one array [rows, H * (len(layers) + final)] per pass (see Target.forward)."""
+
+    layers: tuple[int, ...] = ()
+    final: bool = True
+
+    def width(self, hidden_size: int) -> int:
+        return hidden_size * (len(self.layers) + int(self.final))
+
+
+FINAL_HIDDEN = HiddenRequest()  # what MTP heads read
+
+
+@dataclass(frozen=True)
 class Draft:
     tokens: mx.array  # [k] int32, lazy
     probs: mx.array | None  # [k, V] after the sampler chain; None = deterministic (greedy / n-gram)
@@ -30,11 +48,13 @@ class Verdict:
 
 class Drafter(Protocol):
     name: str
-    needs_hidden: bool  # wants the target's final-normed hidden states in begin/commit
+    needs_hidden: bool  # wants target hidden states in begin/commit (which: `hidden_request`)
+    # optional: `hidden_request: HiddenRequest` (default FINAL_HIDDEN when needs_hidden)
 
     def begin(self, tokens: list[int], hidden: mx.array | None) -> None:
         """Start a sequence. `tokens`: committed so far (prompt + first sampled token).
-        `hidden`: target hidden states [len(tokens) - 1, H] for the fed tokens, if needs_hidden."""
+        `hidden`: target hidden states [len(tokens) - 1, H'] for the fed tokens, if needs_hidden
+        (H' = hidden_request.width(H))."""
 
     def propose(self, k: int, sampling: SamplingConfig, key: mx.array) -> Draft:
         """Draft k tokens after the last committed token. Lazy: no host synchronisation."""
@@ -45,3 +65,10 @@ class Drafter(Protocol):
 
     def max_draft(self) -> int | None:
         """Largest k this drafter can produce now (None = unbounded)."""
+
+
+def hidden_request(drafter) -> HiddenRequest | None:
+    """What `drafter` asks of the target's forward pass (None: nothing)."""
+    if drafter is None or not getattr(drafter, "needs_hidden", False):
+        return None
+    return getattr(drafter, "hidden_request", None) or FINAL_HIDDEN

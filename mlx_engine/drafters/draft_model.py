@@ -59,7 +59,7 @@ class DraftModelDrafter:
         """Feed tokens; logits [1, V] (the target's output size) for the token after the last one."""
         if self._subset is None:
             return _fit_vocab(self._forward(tokens)[-1:], self.vocab_size)
-        _, h = self._draft.forward(tokens, self.cache, hidden=True)  # the full logits stay lazy, unused
+        _, h = self._draft.forward(tokens, self.cache, True)  # the full logits stay lazy, unused
         return self._subset(h[-1:])
 
     def begin(self, tokens: list[int], hidden: mx.array | None = None) -> None:
