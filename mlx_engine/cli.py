@@ -39,6 +39,10 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repetition-penalty", type=finite(), default=1.0, help="penalty for recent tokens (1 = off)")
     p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     p.add_argument("--max-tokens", type=int, default=256, help="tokens to generate (default 256)")
+    p.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=None,
+                   help="decode plain and verify steps through the batch-invariant kernels, so speculative "
+                        "output equals plain output bit for bit on any device (default: off; on a GPU it is "
+                        "slower than stock decoding for now, see docs/kernels.md)")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--prompt-tokens", help="prompt as comma-separated token ids, e.g. 1,2,3")
@@ -154,7 +158,7 @@ def build(args):
         max_tokens=args.max_tokens, num_draft=args.num_draft, sampling=sampling, seed=args.seed,
         stop_tokens=stop, profile_every=8 if args.json else 0,
     )
-    return loaded, Engine(loaded.model, drafter), prompt, config
+    return loaded, Engine(loaded.model, drafter, batch_invariant=args.batch_invariant), prompt, config
 
 
 def run_generate(args) -> int:

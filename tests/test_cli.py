@@ -49,6 +49,23 @@ def test_json_trace_equals_plain_decoding(dirs, capsys):
     assert isinstance(spec["text"], str)
 
 
+def test_batch_invariant_flag_decodes_the_same_tokens(dirs, capsys, monkeypatch):
+    """--batch-invariant routes decode and verify through the batch-invariant path (Engine records it);
+    speculative output still equals plain output, and here (a tiny model) equals stock decoding too."""
+    import mlx_engine.cli as cli
+
+    engines = []
+    real = cli.Engine
+    monkeypatch.setattr(cli, "Engine", lambda *a, **kw: engines.append(real(*a, **kw)) or engines[-1])
+    prompt = "5,9,13,21,9,13"
+    common = ["--model", dirs["target"], "--prompt-tokens", prompt, "--max-tokens", "16", "--ignore-eos"]
+    stock = run_json(capsys, *common)
+    spec = run_json(capsys, *common, "--drafter", "ngram", "--num-draft", "3", "--batch-invariant")
+    plain = run_json(capsys, *common, "--batch-invariant")
+    assert [e.batch_invariant for e in engines] == [False, True, True]
+    assert spec["tokens"] == plain["tokens"] == stock["tokens"]
+
+
 def test_text_prompt_with_chat_template(dirs, capsys):
     out = run_json(capsys, "--model", dirs["target"], "--prompt", "hello there", "--max-tokens", "5", "--ignore-eos")
     assert len(out["tokens"]) == 5 and out["stats"]["prompt_tokens"] > 3
