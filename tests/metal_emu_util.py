@@ -41,3 +41,19 @@ def run(kernel: EmuKernel, launch, schedule: str = "forward", seed: int = 0) -> 
 def compile_call(launch) -> dict:
     kw = launch.kwargs()
     return dict(inputs=kw["inputs"], output_dtypes=kw["output_dtypes"], template=kw["template"])
+
+
+def emulated(kernel: EmuKernel, launch_spec):
+    """A GPU implementation for the registry that runs `kernel` on the emulator with the wrapper's
+    launch (`launch_spec(*args)`), returning MLX arrays of the launch's output dtypes."""
+    import mlx.core as mx
+
+    def fn(*args):
+        spec = launch_spec(*args)
+        outs = []
+        for o, dt in zip(run(kernel, spec), spec.output_dtypes):
+            a = mx.array(o)
+            outs.append(a.view(mx.bfloat16) if dt == mx.bfloat16 else a)
+        return outs[0] if len(outs) == 1 else tuple(outs)
+
+    return fn

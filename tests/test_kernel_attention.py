@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import mlx.core as mx
-from metal_emu_util import compile_call, emu_kernel, run
+from metal_emu_util import compile_call, emu_kernel, emulated, run
 from metal_kernels.emu import compiler_available, precompile
 from mlx_engine.kernels import batch_attention as A
 
@@ -119,3 +119,10 @@ def test_supported_shapes_and_launch_checks():
         A.launch_spec(q, k[:, :, :3], v[:, :, :3], scale, True)  # 6 causal queries over 3 keys
     spec = A.launch_spec(q, k, v, scale, True)
     assert spec.grid == (32 * A.WARPS, 6, 4) and spec.threadgroup == (32 * A.WARPS, 1, 1)
+
+
+@pytest.mark.parametrize("dialect", DIALECTS)
+def test_the_registry_probe_accepts_the_emulated_kernel(kernels, dialect):
+    from mlx_engine import kernels as registry
+
+    assert registry._probe(registry._op("batch_attention"), emulated(kernels[dialect], A.launch_spec)) is None

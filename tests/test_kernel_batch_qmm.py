@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import mlx.core as mx
-from metal_emu_util import compile_call, emu_kernel, run
+from metal_emu_util import compile_call, emu_kernel, emulated, run
 from metal_kernels.emu import compiler_available, precompile
 from mlx_engine.kernels import batch_qmm as Q
 from mlx_engine.kernels import gather_qmm as G
@@ -148,3 +148,11 @@ def test_launch_checks():
     x, w, s, b, idx, gs, bits, xdiv, tokens = GATHER_CASES[0]
     with pytest.raises(ValueError):
         G.launch_spec(x, w, s, b, idx[:-1], gs, bits, xdiv, tokens)  # pairs != rows * xdiv
+
+
+@pytest.mark.parametrize("dialect", DIALECTS)
+def test_the_registry_probes_accept_the_emulated_kernels(kernels, dialect):
+    from mlx_engine import kernels as registry
+
+    for name, spec in (("batch_qmm", Q.launch_spec), ("gather_qmm", G.launch_spec)):
+        assert registry._probe(registry._op(name), emulated(kernels[dialect], spec)) is None

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import mlx.core as mx
-from metal_emu_util import compile_call, emu_kernel, run
+from metal_emu_util import compile_call, emu_kernel, emulated, run
 from metal_kernels.emu import EmuError, EmuKernel, compiler_available, precompile
 from mlx_engine.kernels import acceptance as A
 from mlx_engine.kernels import gdn_step as G
@@ -468,16 +468,6 @@ def test_gdn_kernel_per_token_states_match_truncated_runs(emu, dialect):
 # ------------------------------------------------------------------------------------------------
 
 
-def _emulated(kernel, module):
-    """A GPU implementation that runs the kernel body on the emulator with the wrapper's launch."""
-
-    def fn(*args):
-        outs = [mx.array(o) for o in run(kernel, module.launch_spec(*args))]
-        return outs[0] if len(outs) == 1 else tuple(outs)
-
-    return fn
-
-
 @DIALECTS
 @pytest.mark.parametrize("name", ["acceptance", "gdn_step"])
 def test_registry_probe_accepts_the_emulated_kernels(emu, dialect, name, monkeypatch):
@@ -487,7 +477,7 @@ def test_registry_probe_accepts_the_emulated_kernels(emu, dialect, name, monkeyp
 
     short = {"acceptance": "acc", "gdn_step": "gdn"}[name]
     module = {"acceptance": A, "gdn_step": G}[name]
-    fn = _emulated(_k(emu, short, dialect), module)
+    fn = emulated(_k(emu, short, dialect), module.launch_spec)
     op = kernels._op(name)
     assert kernels._probe(op, fn) is None
     monkeypatch.delenv(kernels.ENV_VAR, raising=False)

@@ -109,6 +109,18 @@ def build_kernel(name: str, input_names: tuple, output_names: tuple, backend: st
     )
 
 
+def differs_from_reference(out: mx.array, ref: mx.array) -> str | None:
+    """None when a kernel's output agrees with its reference to float rounding (float32 outputs 1e-4,
+    half outputs 2e-2, relative and absolute), else what differs (for probe checks)."""
+    if out.shape != ref.shape:
+        return f"shape {out.shape} != {ref.shape}"
+    tol = 1e-4 if out.dtype == mx.float32 else 2e-2
+    a, b = out.astype(mx.float32), ref.astype(mx.float32)
+    if not mx.allclose(a, b, rtol=tol, atol=tol).item():
+        return f"max abs difference {mx.abs(a - b).max().item():.3g} from the reference"
+    return None
+
+
 def register(op: Op) -> None:
     """Add (or replace) an op; clears its cached selection."""
     with _lock:

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from . import Launch, Op, build_kernel
+from . import Launch, Op, build_kernel, differs_from_reference
 
 NAME = "batch_attention"
 INPUT_NAMES = ("q", "k", "v", "qp", "kp", "scale")
@@ -180,12 +180,9 @@ def _row_alone(fn, args: tuple, i: int):
 
 def probe_check(out: mx.array, ref: mx.array, args: tuple, fn=None) -> str | None:
     """Close to the reference, and each query row bit-for-bit its 1-query launch."""
-    if out.shape != ref.shape:
-        return f"shape {out.shape} != {ref.shape}"
-    tol = 1e-4 if out.dtype == mx.float32 else 2e-2
-    if not mx.allclose(out.astype(mx.float32), ref.astype(mx.float32), rtol=tol, atol=tol).item():
-        err = mx.abs(out.astype(mx.float32) - ref.astype(mx.float32)).max().item()
-        return f"max abs difference {err:.3g} from the reference"
+    problem = differs_from_reference(out, ref)
+    if problem:
+        return problem
     if fn is None:
         return None
     L = args[0].shape[2]

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from . import Launch, Op, build_kernel
+from . import Launch, Op, build_kernel, differs_from_reference
 
 NAME = "batch_qmm"
 INPUT_NAMES = ("x", "w", "scales", "biases", "idx")  # idx: experts of the gather form (gather_qmm.py)
@@ -218,12 +218,9 @@ def probe_cases() -> list[tuple]:
 
 def probe_check(out: mx.array, ref: mx.array, args: tuple, fn=None) -> str | None:
     """Close to the reference, and batch invariant bit for bit (each row alone == row of the batch)."""
-    if out.shape != ref.shape:
-        return f"shape {out.shape} != {ref.shape}"
-    tol = 1e-4 if out.dtype == mx.float32 else 2e-2
-    if not mx.allclose(out.astype(mx.float32), ref.astype(mx.float32), rtol=tol, atol=tol).item():
-        err = mx.abs(out.astype(mx.float32) - ref.astype(mx.float32)).max().item()
-        return f"max abs difference {err:.3g} from the reference"
+    problem = differs_from_reference(out, ref)
+    if problem:
+        return problem
     x, w, scales, biases, gs, bits = args
     if fn is None:
         return None

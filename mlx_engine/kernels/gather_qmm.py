@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from . import Launch, Op
+from . import Launch, Op, differs_from_reference
 from .batch_qmm import LANES, MAX_ROWS, _check, kernel, make_case, plan, reference_core, unpack
 
 NAME = "gather_qmm"
@@ -98,12 +98,9 @@ def probe_cases() -> list[tuple]:
 
 def probe_check(out: mx.array, ref: mx.array, args: tuple, fn=None) -> str | None:
     """Close to the reference, and each token's pairs bit-for-bit what its 1-token launch gives."""
-    if out.shape != ref.shape:
-        return f"shape {out.shape} != {ref.shape}"
-    tol = 1e-4 if out.dtype == mx.float32 else 2e-2
-    if not mx.allclose(out.astype(mx.float32), ref.astype(mx.float32), rtol=tol, atol=tol).item():
-        err = mx.abs(out.astype(mx.float32) - ref.astype(mx.float32)).max().item()
-        return f"max abs difference {err:.3g} from the reference"
+    problem = differs_from_reference(out, ref)
+    if problem:
+        return problem
     if fn is None:
         return None
     x, w, s, b, idx, gs, bits, xdiv, tokens = args
