@@ -31,11 +31,11 @@ class NoModel(Exception):
 
 
 def default_model(progress=None) -> str:
-    """The embedded default model's path (mlx_engine.default_model), or NoModel with what to do."""
+    """The embedded default model's path (mlx_engine.models.default), or NoModel with what to do."""
     try:
-        from mlx_engine.default_model import default_model_path
+        from mlx_engine.models.default import default_model_path
     except ModuleNotFoundError as e:
-        if e.name and e.name.startswith("mlx_engine.default_model"):
+        if e.name and e.name.startswith("mlx_engine.models.default"):
             raise NoModel(
                 "No model given and the embedded default model (SmolLM2-135M-Instruct) is not available in "
                 "this build yet. Start with `python -m app --model PATH_OR_REPO` (a hub id, a local folder "

@@ -12,10 +12,10 @@ from ._platform import OPENBLAS  # noqa: F401  must run before mlx is imported
 from .drafters.base import Draft, Drafter, Verdict  # noqa: E402
 from .drafters.draft_model import DraftModelDrafter  # noqa: E402
 from .drafters.ngram import NgramDrafter  # noqa: E402
-from .engine import Engine, GenerationConfig, Step  # noqa: E402
+from .core.engine import Engine, GenerationConfig, Step  # noqa: E402
 from .models import LoadedModel, ModelLoadError, load  # noqa: E402
 from .sampling import SamplingConfig  # noqa: E402
-from .stats import SpecStats  # noqa: E402
+from .core.stats import SpecStats  # noqa: E402
 
 __all__ = [
     "Draft", "Drafter", "DraftModelDrafter", "Engine", "GenerationConfig", "LoadedModel", "ModelLoadError",

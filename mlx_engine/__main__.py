@@ -21,7 +21,7 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("train-mtp", help="train an MTP head for a model that ships none (see --help)", add_help=False)
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["train-mtp"]:
-        from .train_mtp import main as train_main
+        from .train.mtp import main as train_main
 
         try:
             return train_main(argv[1:])

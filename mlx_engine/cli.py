@@ -8,7 +8,7 @@ from . import text
 from .args import finite
 from .drafters.draft_model import DraftModelDrafter
 from .drafters.ngram import NgramDrafter
-from .engine import Engine, GenerationConfig
+from .core.engine import Engine, GenerationConfig
 from .models import LoadedModel, ModelLoadError, load
 from .sampling import SamplingConfig
 
@@ -96,7 +96,7 @@ def check_same_tokenizer(target_tok, draft_tok, draft_name: str) -> None:
 
 
 def make_drafter(args, target: LoadedModel):
-    from .target import Target
+    from .target.model import Target
 
     name = args.drafter
     if name not in DRAFTERS:

@@ -20,7 +20,9 @@ from mlx.utils import tree_flatten
 
 from .drafters.mtp import HEAD_FILE, HEAD_FORMAT, HEAD_JSON, MissingHeadError, family_module, head_weights_mlx
 from .drafters.mtp import _check_fit  # noqa: F401  (same checks as at load time)
-from .models.hf_weights import head_predicate, load_model, text_config
+from .models.config import text_config
+from .models.hf import load_model
+from .models.mtp_tensors import head_predicate
 
 
 def _write_head(model, config: dict, hf_head: dict, out: Path, bits: int | None, group_size: int) -> dict:

@@ -124,3 +124,10 @@ def choose(logits: mx.array, context: mx.array | None, cfg: SamplingConfig, key:
         return mx.argmax(logits, axis=-1), None
     probs = probabilities(logits, cfg)
     return sample(probs, key), probs
+
+
+def random_draws(key: mx.array, k: int) -> tuple[mx.array, mx.array]:
+    """The random draws of one sampled acceptance: (uniforms [k] for the accept tests, one uniform for the
+    inverse-CDF sample of the next token). The fused kernel (kernels/acceptance.py) is given the same."""
+    accept_key, sample_key = mx.random.split(key)
+    return mx.random.uniform(shape=(k,), key=accept_key), mx.random.uniform(key=sample_key)

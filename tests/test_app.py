@@ -289,7 +289,7 @@ async def test_switch_model_and_mtp_unavailable(tiny_model, tmp_path):
 
 @pytest.mark.anyio
 async def test_no_default_model_asks_for_model(monkeypatch):
-    monkeypatch.setitem(sys.modules, "mlx_engine.default_model", None)  # as if it did not exist
+    monkeypatch.setitem(sys.modules, "mlx_engine.models.default", None)  # as if it did not exist
     app = make_app()
     async with app.run_test(size=(120, 40)) as pilot:
         await until(pilot, lambda: bool(app.query(".error")))

@@ -17,8 +17,8 @@ import gguf_writer_util as gguf_util
 import model_dirs
 from mlx_engine import load
 from mlx_engine.__main__ import main
-from mlx_engine.default_model import MODEL_NAME, SHAPE, matching_head
-from mlx_engine.engine import Engine, Step
+from mlx_engine.models.default import MODEL_NAME, SHAPE, matching_head
+from mlx_engine.core.engine import Engine, Step
 
 
 @pytest.fixture(scope="module")
@@ -126,8 +126,8 @@ def test_ctrl_c_ends_a_generation_cleanly(files):
 
 
 def test_load_without_a_model_is_the_embedded_default(monkeypatch, files):
-    """load() and generate without --model use mlx_engine.default_model (here pointed at a tiny model)."""
-    import mlx_engine.default_model as dm
+    """load() and generate without --model use mlx_engine.models.default (here pointed at a tiny model)."""
+    import mlx_engine.models.default as dm
 
     monkeypatch.setattr(dm, "default_model_path", lambda *a, **k: Path(files["target"]))
     assert load().path == Path(files["target"])
@@ -137,7 +137,7 @@ def test_load_without_a_model_is_the_embedded_default(monkeypatch, files):
 @pytest.mark.slow
 def test_default_gguf_drafts_with_the_shipped_head(capsys):
     """The GGUF form of the embedded default finds the head shipped for it (no --mtp-weights)."""
-    from mlx_engine.default_model import default_gguf
+    from mlx_engine.models.default import default_gguf
 
     try:
         gguf = default_gguf(progress=lambda *_: None)

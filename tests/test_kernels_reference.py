@@ -1,6 +1,6 @@
 """The plain-MLX references of the fused kernels (mlx_engine/kernels) and the kernel registry.
 
-The references are the definition of correct: acceptance agrees with mlx_engine.verify and is lossless,
+The references are the definition of correct: acceptance agrees with mlx_engine.core.verify and is lossless,
 the quantized matmul is batch invariant bit for bit and close to mx.quantized_matmul, the GatedDeltaNet
 step reproduces mlx-lm's gated_delta_ops and its per-token states.
 """

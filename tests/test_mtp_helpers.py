@@ -7,7 +7,7 @@ import mlx.core as mx
 from hf_writer import write_checkpoint
 from mlx_engine import Engine, GenerationConfig
 from mlx_engine.drafters.mtp import MTPDrafter, load_mtp_drafter
-from mlx_engine.models.hf_weights import load_model
+from mlx_engine.models.hf import load_model
 
 PROMPT = [3, 17, 42, 9, 200, 11, 5, 77, 128, 64, 31, 2, 99, 150, 7, 8]
 

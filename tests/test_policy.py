@@ -5,7 +5,7 @@ import mlx.core as mx
 import tiny_models
 from mlx_engine import DraftModelDrafter, Engine, GenerationConfig
 from mlx_engine.drafters.base import Draft
-from mlx_engine.policy import AdaptivePolicy
+from mlx_engine.core.policy import AdaptivePolicy
 from test_greedy_equality import PROMPT, plain, target
 
 

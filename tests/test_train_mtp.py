@@ -12,8 +12,8 @@ import model_dirs
 from mlx_engine import Engine, GenerationConfig, SamplingConfig
 from mlx_engine.drafters.mtp import load_mtp_drafter
 from mlx_engine.models import load
-from mlx_engine.target import Target
-from mlx_engine.train_mtp import generate_corpus, main, read_corpus, save_corpus
+from mlx_engine.target.model import Target
+from mlx_engine.train.mtp import generate_corpus, main, read_corpus, save_corpus
 
 
 @pytest.fixture(scope="module")
@@ -112,7 +112,7 @@ def test_reduced_vocabulary_head(setup, tmp_path):
 
 
 def test_help_explains_every_flag_with_its_default():
-    from mlx_engine.train_mtp import _parser
+    from mlx_engine.train.mtp import _parser
 
     parser = _parser()
     text = " ".join(parser.format_help().split())
@@ -125,8 +125,8 @@ def test_help_explains_every_flag_with_its_default():
 
 
 def test_steps_0_does_nothing_expensive(tmp_path, monkeypatch):
-    import mlx_engine.default_model as dm
-    import mlx_engine.train_mtp as tm
+    import mlx_engine.models.default as dm
+    import mlx_engine.train.mtp as tm
 
     def expensive(*a, **k):
         raise AssertionError("--steps 0 must not load a model or generate a corpus")
@@ -140,7 +140,7 @@ def test_steps_0_does_nothing_expensive(tmp_path, monkeypatch):
 def test_an_interrupted_run_leaves_a_resumable_state(setup, tmp_path, monkeypatch):
     """Ctrl-C while the corpus is generated keeps the answers made so far; Ctrl-C while training keeps a
     checkpoint; the same command with --resume finishes the run."""
-    import mlx_engine.train_mtp as tm
+    import mlx_engine.train.mtp as tm
 
     root, folder, m, _ = setup
     prompts = tmp_path / "prompts.jsonl"

@@ -6,7 +6,7 @@ from .. import _platform  # noqa: F401  (OpenBLAS before mlx)
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["verify"]:
-        from ..bench_verify import main as verify_main
+        from .verify import main as verify_main
 
         rc = verify_main(argv[1:])
         from .invariance import main as invariance_main  # a device property: reported, not tested

@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
-from ..engine import Engine, GenerationConfig
+from ..core.engine import Engine, GenerationConfig
 from ..sampling import SamplingConfig
 
 

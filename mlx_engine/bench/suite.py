@@ -25,7 +25,7 @@ from .. import _platform
 from ..args import ArgumentParser, count, fail, float_list, int_list, interrupted
 from ..drafters.draft_model import DraftModelDrafter
 from ..drafters.ngram import NgramDrafter
-from ..engine import Engine
+from ..core.engine import Engine
 from ..models import ModelLoadError, load
 from .chart import speedup_chart
 from .modes import Mode, Result, run_engine, run_mlx_lm
@@ -36,7 +36,7 @@ BASELINES = ("mlx-lm plain", "engine plain")
 
 def default_out() -> Path:
     """Where results go without --out: the user's cache folder, never the source tree."""
-    from ..default_model import cache_dir
+    from ..models.default import cache_dir
 
     return cache_dir() / "bench" / "latest.json"
 

@@ -12,24 +12,7 @@ from typing import Protocol
 import mlx.core as mx
 
 from ..sampling import SamplingConfig
-
-
-@dataclass(frozen=True)
-class HiddenRequest:
-    """Which target hidden states a drafter reads, captured in the target's own forward pass.
-
-    `layers`: outputs of these decoder layers (0-based; negative counts from the end), concatenated in
-    that order; then, if `final`, the final-normed hidden state the lm_head scores. The engine hands the
-    drafter one array [rows, H * (len(layers) + final)] per pass (see Target.forward)."""
-
-    layers: tuple[int, ...] = ()
-    final: bool = True
-
-    def width(self, hidden_size: int) -> int:
-        return hidden_size * (len(self.layers) + int(self.final))
-
-
-FINAL_HIDDEN = HiddenRequest()  # what MTP heads read
+from ..target.hidden import FINAL_HIDDEN, HiddenRequest  # noqa: F401  (a drafter's request; the target captures it)
 
 
 @dataclass(frozen=True)

@@ -14,8 +14,8 @@ Sampling (Leviathan et al. / Chen et al.), with p = target and q = draft_probs (
     if sum(r) == 0: r = p_n
     next = min{j : r_j > 0 and cdf_j > s * sum(r)} with cdf = cumsum(r), s = sample_uniform
            (inverse-CDF sampling; if rounding leaves no such j: the last j with r_j > 0; 0 if r == 0).
-This is the math of `mlx_engine.verify.accept_greedy` / `accept_sampled`, with the random draws passed
-in: given the same uniforms (`uniforms_from_key` is verify.py's `random_draws`), n_accepted is identical,
+This is the math of `mlx_engine.core.verify.accept_greedy` / `accept_sampled`, with the random draws passed
+in: given the same uniforms (`uniforms_from_key` is sampling.py's `random_draws`), n_accepted is identical,
 and so is the next token but for rounding (both sample it by inverse CDF of `sample_uniform`).
 
 The fused kernel (metal_kernels/acceptance.metal, .cu twin) runs one threadgroup of TG threads: greedy
@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from ..verify import random_draws
+from ..sampling import random_draws
 from . import Launch, Op, build_kernel
 
 NAME = "acceptance"
@@ -94,7 +94,7 @@ def accept_reference(
     return mx.stack([n, nxt.astype(mx.int32)]).astype(mx.int32)
 
 
-# (uniforms [k], sample_uniform) from a key: exactly the draws `mlx_engine.verify.accept_sampled` uses
+# (uniforms [k], sample_uniform) from a key: exactly the draws `mlx_engine.core.verify.accept_sampled` uses
 uniforms_from_key = random_draws
 
 

@@ -73,8 +73,8 @@ def _could_not_load(path: Path, e: Exception) -> str:
 
 def default_model() -> str:
     """The embedded default, SmolLM2-135M-Instruct with its trained MTP head (built in the cache on first
-    use: mlx_engine.default_model)."""
-    from ..default_model import default_model_path
+    use: mlx_engine.models.default)."""
+    from .default import default_model_path
 
     try:
         return str(default_model_path())
@@ -88,7 +88,7 @@ def load(path_or_repo: str | None = None, dtype: mx.Dtype | None | str = "auto",
     stored) or an mx dtype."""
     from mlx_lm.utils import load_tokenizer
 
-    from .hf_weights import load_model  # mlx-lm's, with MTP tensors set aside before sanitize
+    from .hf import load_model  # mlx-lm's, with MTP tensors set aside before sanitize
 
     if dtype == "auto":
         dtype = default_dtype()
@@ -105,7 +105,7 @@ def load(path_or_repo: str | None = None, dtype: mx.Dtype | None | str = "auto",
         raise ModelLoadError(f"{path} is a file but not a .gguf; expected a model folder or a GGUF file")
     if not (path / "config.json").exists():
         raise ModelLoadError(f"{path} has no config.json: not a model folder")
-    from .hf_weights import check_complete, weight_files
+    from .hf import check_complete, weight_files
 
     try:
         for f in weight_files(path):

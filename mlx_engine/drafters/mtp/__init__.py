@@ -21,14 +21,10 @@ from mlx.utils import tree_flatten
 
 from ... import host
 from ...models import cast_floats
-from ...models.hf_weights import (
-    MTPWeightsError,
-    dequantize_fp8,
-    fp8_block,
-    quantize_like,
-    read_weights,
-    text_config,
-)
+from ...models.config import text_config
+from ...models.hf import dequantize_fp8, fp8_block, quantize_like, read_weights
+from ...models.mtp_tensors import FAMILIES, HEAD_FILE, MTPWeightsError, UnsupportedFamilyError, family_of, \
+    head_key_predicate
 from ..vocab_subset import SUBSET_KEY, check_subset_ids
 from .drafter import MTPDrafter, MTPHead, MTPLayer
 
@@ -38,13 +34,8 @@ __all__ = [
     "HEAD_FILE", "HEAD_FORMAT", "HEAD_JSON",
 ]
 
-HEAD_FILE = "mtp.safetensors"
 HEAD_JSON = "mtp.json"
 HEAD_FORMAT = "mlx-engine-mtp-v1"
-
-
-class UnsupportedFamilyError(MTPWeightsError):
-    """The model family has no MTP support here."""
 
 
 class MissingHeadError(MTPWeightsError):
@@ -55,35 +46,18 @@ class HeadMismatchError(MTPWeightsError):
     """The head's tensors do not fit the target (missing, unexpected or wrongly shaped)."""
 
 
-# model_type -> family file
-SUPPORTED = {
-    "qwen3_5": "qwen3_5",
-    "qwen3_5_moe": "qwen3_5",
-    "qwen3_next": "qwen3_next",
-    "deepseek_v3": "deepseek_v3",
-    "glm4_moe": "glm4_moe",
-    "glm4_moe_lite": "glm4_moe_lite",
-    "mimo": "mimo",
-    "step3p5": "step3p5",
-}
+SUPPORTED = FAMILIES  # model_type -> family file (models/mtp_tensors.py owns the table)
 
 
 def family_module(config: dict, model_path=None):
-    mt = config.get("model_type")
-    if mt not in SUPPORTED:
-        where = f"{model_path} has no MTP head: " if model_path is not None else ""
-        raise UnsupportedFamilyError(
-            f"{where}model family {mt!r} ships no MTP head (native heads supported: "
-            f"{', '.join(sorted(SUPPORTED))}). Train one with `python -m mlx_engine train-mtp --model MODEL "
-            f"--out DIR` and pass --mtp-weights DIR/{HEAD_FILE}"
-        )
-    return importlib.import_module(f"{__name__}.{SUPPORTED[mt]}")
+    """The drafter file of the config's family (how its head is built and its tensors renamed)."""
+    return importlib.import_module(f"{__name__}.{family_of(config, model_path)}")
 
 
 def _check_head_file(path: Path) -> None:
     """A head file given by the user: it must exist and be complete (named in the error, never blamed on
     the model's family)."""
-    from ...models.hf_weights import check_complete
+    from ...models.hf import check_complete
 
     if not path.is_file():
         raise MissingHeadError(f"MTP weights file {path} does not exist")
@@ -254,7 +228,7 @@ def load_head(model: nn.Module, model_path, config: dict, mtp_weights=None, dtyp
     if mtp_weights is not None:
         _check_head_file(Path(mtp_weights))
     elif model_path is not None and Path(model_path).is_file():  # a GGUF: no folder to find a head in,
-        from ...default_model import matching_head  # but a head shipped here may match it
+        from ...models.default import matching_head  # but a head shipped here may match it
 
         mtp_weights = matching_head(model_path, config)
     trained_file = _trained_head_file(model_path, mtp_weights)
@@ -275,7 +249,7 @@ def load_head(model: nn.Module, model_path, config: dict, mtp_weights=None, dtyp
         gguf_dtype = dtype if isinstance(dtype, mx.Dtype) else _float_dtype(model)
         weights, layout, quant = _read_head_file(path, config, gguf_dtype)
         if layout == "hf":
-            pred = fam.head_key_predicate(tc)
+            pred = head_key_predicate(config)
             weights = {k: v for k, v in weights.items() if pred(k)}
             if not weights:
                 raise MissingHeadError(f"{family}: {path} holds no MTP head tensors of this family")
@@ -286,7 +260,7 @@ def load_head(model: nn.Module, model_path, config: dict, mtp_weights=None, dtyp
             weights, layout, quant = _read_head_file(folder / HEAD_FILE, config)
             source = str(folder / HEAD_FILE)
         else:
-            weights = read_weights(folder, fam.head_key_predicate(tc)) if folder is not None else {}
+            weights = read_weights(folder, head_key_predicate(config)) if folder is not None else {}
             layout, source = "hf", str(folder)
             if not weights:
                 raise MissingHeadError(

@@ -7,7 +7,7 @@ import re
 import mlx.core as mx
 import mlx.nn as nn
 
-from ...models.hf_weights import MTPWeightsError
+from ...models.mtp_tensors import MTPWeightsError
 
 # MLX names of one head layer (MTPLayer): layers.{i}.{enorm,hnorm,eh_proj,norm,head}.weight, layers.{i}.block.*
 

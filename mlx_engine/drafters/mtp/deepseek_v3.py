@@ -12,16 +12,6 @@ from .drafter import MTPHead, MTPLayer
 FAMILY = "deepseek_v3"
 
 
-def head_key_predicate(tc: dict):
-    n = int(tc["num_hidden_layers"])
-
-    def pred(k: str) -> bool:
-        parts = k.split(".")
-        return len(parts) > 3 and parts[0] == "model" and parts[1] == "layers" and parts[2].isdigit() \
-            and int(parts[2]) >= n
-
-    return pred
-
 
 def to_mlx(hf: dict, model: nn.Module, tc: dict) -> dict:
     return deepseek_style(hf, model, int(tc["num_hidden_layers"]), FAMILY)

@@ -23,7 +23,7 @@ import mlx.nn as nn
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache
 
-from ... import cache as cache_ops
+from ...target import cache as cache_ops
 from ... import host
 from ...sampling import SamplingConfig, choose
 from ..base import Draft, Verdict
@@ -90,7 +90,7 @@ class MTPDrafter:
     needs_hidden = True
 
     def __init__(self, head: MTPHead, target, prefill_step: int = 2048):
-        from ...target import Target
+        from ...target.model import Target
 
         self.head = head
         self.target = target if isinstance(target, Target) else Target(target)

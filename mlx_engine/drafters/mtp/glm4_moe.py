@@ -6,7 +6,6 @@ from __future__ import annotations
 import mlx.nn as nn
 
 from .common import deepseek_style, layer_indices, text_module
-from .deepseek_v3 import head_key_predicate  # noqa: F401  (same placement: layers >= num_hidden_layers)
 from .drafter import MTPHead, MTPLayer
 
 FAMILY = "glm4_moe"

@@ -5,18 +5,15 @@ from __future__ import annotations
 
 import mlx.nn as nn
 
-from ...models.hf_weights import MTPWeightsError
+from ...models.mtp_tensors import MIMO_PREFIX as PREFIX, MTPWeightsError
 from .common import layer_indices, text_module
 from .drafter import MTPHead, MTPLayer
 
 FAMILY = "mimo"
-PREFIX = "model.mtp_layers."
+
 _TOP = {"token_layernorm.weight": "enorm", "hidden_layernorm.weight": "hnorm",
         "input_proj.weight": "eh_proj", "final_layernorm.weight": "norm"}
 
-
-def head_key_predicate(tc: dict):
-    return lambda k: k.startswith(PREFIX)
 
 
 def to_mlx(hf: dict, model: nn.Module, tc: dict) -> dict:

@@ -8,16 +8,13 @@ from __future__ import annotations
 
 import mlx.nn as nn
 
-from ...models.hf_weights import MTPWeightsError, stack_experts
+from ...models.hf import stack_experts
+from ...models.mtp_tensors import QWEN_PREFIXES as PREFIXES, MTPWeightsError
 from .common import add_one, has_moe, layer_indices, text_module
 from .drafter import MTPHead, MTPLayer
 
 FAMILY = "qwen3_5"
-PREFIXES = ("mtp.", "model.mtp.", "model.language_model.mtp.", "language_model.mtp.")
 
-
-def head_key_predicate(tc: dict):
-    return lambda k: k.startswith(PREFIXES)
 
 
 def _strip(k: str) -> str:

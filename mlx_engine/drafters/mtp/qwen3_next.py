@@ -5,16 +5,13 @@ from __future__ import annotations
 
 import mlx.nn as nn
 
-from ...models.hf_weights import MTPWeightsError
+from ...models.mtp_tensors import MTPWeightsError
 from .common import has_moe, text_module
 from .drafter import MTPHead, MTPLayer
-from .qwen3_5 import PREFIXES, qwen_to_mlx
+from .qwen3_5 import qwen_to_mlx
 
 FAMILY = "qwen3_next"
 
-
-def head_key_predicate(tc: dict):
-    return lambda k: k.startswith(PREFIXES)
 
 
 def to_mlx(hf: dict, model: nn.Module, tc: dict) -> dict:

@@ -12,9 +12,8 @@ from __future__ import annotations
 
 import mlx.nn as nn
 
-from ...models.hf_weights import MTPWeightsError
+from ...models.mtp_tensors import MTPWeightsError
 from .common import add_one, layer_indices, text_module
-from .deepseek_v3 import head_key_predicate as _layers_pred
 from .drafter import MTPHead, MTPLayer
 
 FAMILY = "step3p5"
@@ -27,10 +26,6 @@ _REMAP = [
     (".share_expert.", ".mlp.share_expert."),
 ]
 
-
-def head_key_predicate(tc: dict):
-    layers = _layers_pred(tc)
-    return lambda k: layers(k) or k.startswith(("mtp.", "model.mtp."))
 
 
 def to_mlx(hf: dict, model: nn.Module, tc: dict) -> dict:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import mlx.nn as nn
 
-from ...models.hf_weights import MTPWeightsError
+from ...models.mtp_tensors import MTPWeightsError
 from .common import text_module
 from .drafter import MTPHead, MTPLayer
 

@@ -1,6 +1,6 @@
 """Depth-1 greedy acceptance of MTP head files on held-out prompts, without running the engine.
 
-    python training/heldout_acceptance.py HEAD.safetensors [HEAD2 ...] [--prompts training/prompts_eval.jsonl]
+    python -m mlx_engine.train.heldout_acceptance HEAD.safetensors [HEAD2 ...] [--prompts mlx_engine/train/data/prompts_eval.jsonl]
         [--max-tokens 96] [--cache /tmp/heldout.safetensors]
 
 At temperature 0 a depth-1 draft is accepted iff the head's argmax (over its draft vocabulary) from
@@ -16,14 +16,14 @@ import json
 import sys
 from pathlib import Path
 
-HERE = Path(__file__).parent
+DATA = Path(__file__).parent / "data"  # prompts and corpora, shipped as package data
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("heads", nargs="+")
     p.add_argument("--model", default=None)
-    p.add_argument("--prompts", default=str(HERE / "prompts_eval.jsonl"))
+    p.add_argument("--prompts", default=str(DATA / "prompts_eval.jsonl"))
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--cache", default="/tmp/heldout.safetensors", help="greedy answers + hidden states, reused")
     a = p.parse_args(argv)
@@ -32,11 +32,11 @@ def main(argv=None) -> int:
     import mlx.core as mx
     import numpy as np
 
-    from mlx_engine.default_model import default_model_path
+    from mlx_engine.models.default import default_model_path
     from mlx_engine.drafters.mtp import load_mtp_drafter
     from mlx_engine.models import load
-    from mlx_engine.target import Target
-    from mlx_engine.train_mtp import _hidden, generate_corpus, read_corpus, save_corpus
+    from mlx_engine.target.model import Target
+    from mlx_engine.train.mtp import _hidden, generate_corpus, read_corpus, save_corpus
 
     m = load(a.model or str(default_model_path()))
     target = Target(m.model)

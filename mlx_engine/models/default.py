@@ -117,7 +117,7 @@ def default_model_path(progress: Progress = _print_progress) -> Path:
         import mlx.core as mx
         from mlx_lm.utils import save_config, save_model
 
-        from .models.gguf import load_gguf
+        from .gguf import load_gguf
 
         gguf = default_gguf(progress)
         progress(f"converting {gguf.name} to an MLX float32 model in {folder}", None)

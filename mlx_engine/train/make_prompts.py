@@ -1,6 +1,6 @@
 """Write the training and held-out instruction prompts (programmatic, written here; no external data).
 
-    python training/make_prompts.py    # -> training/prompts_train.jsonl, prompts_eval.jsonl, prompts_train2.jsonl
+    python -m mlx_engine.train.make_prompts    # -> mlx_engine/train/data/prompts_train.jsonl, prompts_eval.jsonl, prompts_train2.jsonl
 
 Templates x topics, shuffled with a fixed seed. The held-out set uses its own templates AND its own
 topics, so no held-out prompt shares a topic or a phrasing with a training prompt.
@@ -10,7 +10,7 @@ import json
 import random
 from pathlib import Path
 
-HERE = Path(__file__).parent
+DATA = Path(__file__).parent / "data"  # prompts and corpora, shipped as package data
 
 TOPICS = [
     "photosynthesis", "the water cycle", "black holes", "volcanoes", "earthquakes", "the immune system",
@@ -136,7 +136,7 @@ def main() -> None:
     extra = extra_prompts(set(train))
     assert not set(train) & set(ev) and not set(extra) & set(ev)
     for name, rows in (("prompts_train.jsonl", train), ("prompts_eval.jsonl", ev), ("prompts_train2.jsonl", extra)):
-        with open(HERE / name, "w") as f:
+        with open(DATA / name, "w") as f:
             for p in rows:
                 f.write(json.dumps({"prompt": p}) + "\n")
         print(f"{name}: {len(rows)} prompts")

@@ -16,7 +16,7 @@ the residual is p_i with x_i removed.
 
 import mlx.core as mx
 
-from .sampling import sample
+from ..sampling import random_draws, sample
 
 
 def _pack(n_accepted: mx.array, tokens: mx.array) -> mx.array:
@@ -37,13 +37,6 @@ def accept_greedy(target_logits: mx.array, draft_tokens: mx.array) -> mx.array:
     n = accepted_prefix(draft_tokens == best[:k])
     # accepted drafts equal the target's argmax, so t_0..t_n is just best[:n+1]
     return _pack(n, best)
-
-
-def random_draws(key: mx.array, k: int) -> tuple[mx.array, mx.array]:
-    """The random draws of one sampled acceptance: (uniforms [k] for the accept tests, one uniform for the
-    inverse-CDF sample of the next token). The fused kernel (kernels/acceptance.py) is given the same."""
-    accept_key, sample_key = mx.random.split(key)
-    return mx.random.uniform(shape=(k,), key=accept_key), mx.random.uniform(key=sample_key)
 
 
 def accept_sampled(

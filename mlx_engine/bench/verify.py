@@ -15,7 +15,7 @@ stock t(1), and whether each path's 8-token verify pass equals 8 single steps bi
 
 from __future__ import annotations
 
-from . import _platform  # noqa: F401  (OpenBLAS before mlx, on Linux)
+from .. import _platform  # noqa: F401  (OpenBLAS before mlx, on Linux)
 
 import argparse
 import statistics
@@ -97,9 +97,9 @@ def verify_equals_singles(model, n: int = 8, prefill: int = 64) -> bool:
 
 def shape_table(name: str, layers: int | None, prefill: int, max_len: int, trials: int) -> int:
     """Stock against batch-invariant verify cost on a random model of a named shape."""
-    from . import kernels
-    from .batch_invariant import make_batch_invariant
-    from .bench.shapes import build, describe
+    from .. import kernels
+    from ..target.batch_invariant import make_batch_invariant
+    from .shapes import build, describe
 
     model = build(name, layers=layers)
     print(f"model:   {describe(name, layers)}")
@@ -125,7 +125,7 @@ def shape_table(name: str, layers: int | None, prefill: int, max_len: int, trial
 
 def time_acceptance(vocab: int, ks: list[int], trials: int, seed: int = 0) -> list[dict]:
     """Median ms of the acceptance step for each k (k + 1 target rows), reference and fused."""
-    from . import kernels
+    from .. import kernels
 
     reference = kernels.reference("acceptance")
     fused = kernels.get("acceptance") if kernels.backend("acceptance") != "reference" else None
@@ -165,13 +165,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shape-layers", type=int, help="with --shape: fewer layers than the real model")
     args = ap.parse_args(argv)
     if args.shape:
-        from .bench.shapes import SHAPES
+        from .shapes import SHAPES
 
         if args.shape not in SHAPES:
             ap.error(f"unknown --shape {args.shape!r}; known: {', '.join(SHAPES)}")
         return shape_table(args.shape, args.shape_layers, args.prefill, args.max_len, args.trials)
 
-    from . import kernels
+    from .. import kernels
 
     if args.model:
         from mlx_lm import load

@@ -19,19 +19,12 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 
+from .config import text_config
+from .mtp_tensors import head_predicate
+
 FP8_BLOCK = 128
 
 
-class MTPWeightsError(ValueError):
-    """The MTP head's weights are missing, of an unsupported family, or do not fit the target."""
-
-
-def text_config(config: dict) -> dict:
-    """The language model's config (Qwen3.5 nests it under text_config)."""
-    tc = config.get("text_config")
-    if isinstance(tc, dict) and tc:
-        return {**tc, "model_type": tc.get("model_type", config.get("model_type"))}
-    return config
 
 
 def weight_files(folder: Path) -> list[Path]:
@@ -103,29 +96,6 @@ def dequantize_fp8(weights: dict, block=(FP8_BLOCK, FP8_BLOCK), dtype=mx.float32
         else:
             out[k] = v
     return out
-
-
-def split_head(weights: dict, config: dict) -> tuple[dict, dict]:
-    """(target weights, head weights) by the family's head prefixes."""
-    from ..drafters.mtp import family_module
-
-    fam = family_module(config)
-    is_head = fam.head_key_predicate(text_config(config))
-    target, head = {}, {}
-    for k, v in weights.items():
-        (head if is_head(k) else target)[k] = v
-    return target, head
-
-
-def head_predicate(config: dict):
-    """A predicate on HF names selecting the head's tensors, or None when the family has no known head."""
-    from ..drafters.mtp import family_module
-
-    try:
-        fam = family_module(config)
-    except MTPWeightsError:
-        return None
-    return fam.head_key_predicate(text_config(config))
 
 
 def stack_experts(weights: dict, prefix: str, n_experts: int, dst: str = "switch_mlp") -> dict:

@@ -1,7 +1,7 @@
 """Batch-invariant forward passes: a verify pass of k+1 tokens gives, bit for bit, the logits of k+1
 single-token passes (anchors "Why verify is expensive" 1-3, 5; DESIGN "Exact on every device").
 
-    from mlx_engine.batch_invariant import make_batch_invariant
+    from mlx_engine.target.batch_invariant import make_batch_invariant
     model = make_batch_invariant(model)     # in place; returns the model
 
 Why: with stock MLX the rows of an M-row pass are not computed by the same instruction sequence as a
@@ -29,7 +29,7 @@ the instance's class for a subclass, as target.py does), for passes of up to `ma
 
 Passes of more rows (prefill) run stock: the contract covers decode and verify. Not covered: quantized
 KV caches, attention sinks, non-affine quantization (mxfp4 / nvfp4 / mxfp8), the GatedDeltaNet
-recurrence (mlx_engine.hybrid uses the per-token `gdn_step`, sequential by nature). On a GPU the
+recurrence (mlx_engine.target.hybrid uses the per-token `gdn_step`, sequential by nature). On a GPU the
 kernels use fused multiply-adds where the CPU references round twice: a patched model is batch
 invariant on every device, and its logits agree with the CPU's to float rounding.
 """
@@ -43,10 +43,10 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchGLU
 
-from . import kernels
-from .kernels.batch_attention import attention_reference as invariant_attention  # noqa: F401  (API)
-from .kernels.batch_attention import supported as attention_supported
-from .kernels.batch_attention import tree_sum  # noqa: F401  (API)
+from .. import kernels
+from ..kernels.batch_attention import attention_reference as invariant_attention  # noqa: F401  (API)
+from ..kernels.batch_attention import supported as attention_supported
+from ..kernels.batch_attention import tree_sum  # noqa: F401  (API)
 
 MAX_ROWS = 16  # rows per pass covered by the contract (verify passes are k+1 <= 16)
 

@@ -22,7 +22,7 @@ Efficiency on a CPU:
 - The train step (forward, backward, gradient clipping, AdamW) is one `mx.compile`d function.
 
 Corpus files (`--corpus`, any mix):
-- `.safetensors` written by `training/make_corpus.py` / `save_corpus` (tokens + hidden states already there);
+- `.safetensors` written by `mlx_engine/train/make_corpus.py` / `save_corpus` (tokens + hidden states already there);
 - `.jsonl` rows with `tokens` (ids), or `prompt_ids` + `response_ids`, or `prompt` + `response` (text; the
   prompt goes through the chat template), or `text`;
 - `.txt` (plain text, split into chunks).
@@ -42,7 +42,7 @@ import sys
 import time
 from pathlib import Path
 
-from . import _platform  # noqa: F401  OpenBLAS before mlx
+from .. import _platform  # noqa: F401  OpenBLAS before mlx
 
 import mlx.core as mx  # noqa: E402
 import mlx.nn as nn  # noqa: E402
@@ -50,8 +50,8 @@ import mlx.optimizers as optim  # noqa: E402
 import numpy as np  # noqa: E402
 from mlx.utils import tree_flatten, tree_map, tree_unflatten  # noqa: E402
 
-from .args import ArgumentParser, HelpFormatter, count, finite  # noqa: E402
-from .drafters.vocab_subset import SUBSET_KEY, output_rows  # noqa: E402
+from ..args import ArgumentParser, HelpFormatter, count, finite  # noqa: E402
+from ..drafters.vocab_subset import SUBSET_KEY, output_rows  # noqa: E402
 
 CKPT = "checkpoint"
 CACHE = "corpus_cache.safetensors"
@@ -333,7 +333,7 @@ def head_file_arrays(head, subset: np.ndarray | None, dtype=mx.bfloat16) -> dict
 
 
 def write_head(out: Path, head, subset, config: dict, info: dict, dtype=mx.bfloat16) -> Path:
-    from .drafters.mtp import HEAD_FILE, HEAD_FORMAT, HEAD_JSON
+    from ..drafters.mtp import HEAD_FILE, HEAD_FORMAT, HEAD_JSON
 
     arrays = head_file_arrays(head, subset, dtype)
     meta = {"format": HEAD_FORMAT, "family": "trained", "target": config.get("model_type"), "num_layers": "1",
@@ -445,11 +445,11 @@ def _parser() -> ArgumentParser:
                    help="target model: path, hub id or .gguf (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--out", required=True, help="output folder: the head, checkpoints, the corpus (required)")
     p.add_argument("--corpus", nargs="+", default=None,
-                   help=".safetensors (from training/make_corpus.py), .jsonl or .txt files (default: generate the "
+                   help=".safetensors (from mlx_engine/train/make_corpus.py), .jsonl or .txt files (default: generate the "
                         "target's own answers to --prompts, saved as OUT/corpus_generated.safetensors)")
     p.add_argument("--prompts", default=None,
                    help="prompts .jsonl ({\"prompt\": ...} rows) answered when no --corpus is given "
-                        "(default: training/prompts_train.jsonl, 457 prompts)")
+                        "(default: mlx_engine/train/data/prompts_train.jsonl, 457 prompts)")
     p.add_argument("--gen-tokens", type=count(1), default=160, help="max new tokens per generated answer")
     p.add_argument("--gen-batch", type=count(1), default=32,
                    help="prompts answered per batch; the corpus is saved after each, so an interrupted run goes on")
@@ -489,15 +489,15 @@ def main(argv=None) -> int:
     if args.steps == 0:  # nothing to train: load nothing, generate nothing, write nothing
         log("--steps 0: nothing to train (no model loaded, no corpus generated, nothing written)")
         return 0
-    from .drafters.mtp import trained
-    from .models import load
-    from .target import Target
+    from ..drafters.mtp import trained
+    from ..models import load
+    from ..target.model import Target
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     model_src = args.model
     if model_src is None:
-        from .default_model import default_model_path
+        from ..models.default import default_model_path
 
         model_src = str(default_model_path())
     t_start = time.perf_counter()
@@ -515,7 +515,7 @@ def main(argv=None) -> int:
         if gen.is_file():
             seqs = read_corpus(gen)
         else:
-            prompts_file = Path(args.prompts) if args.prompts else Path(__file__).parents[1] / "training" / "prompts_train.jsonl"
+            prompts_file = Path(args.prompts) if args.prompts else Path(__file__).parent / "data" / "prompts_train.jsonl"
             prompts = [json.loads(x)["prompt"] for x in prompts_file.read_text().splitlines() if x.strip()]
             ids = [list(m.tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True))
                    for q in prompts]

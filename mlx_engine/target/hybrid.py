@@ -1,6 +1,6 @@
 """Hybrid (GatedDeltaNet) targets roll back to any accepted prefix without a replay pass (issue 6).
 
-    from mlx_engine.hybrid import enable_per_token_states
+    from mlx_engine.target.hybrid import enable_per_token_states
     enable_per_token_states(model)   # in place; returns the number of layers patched
 
 The GatedDeltaNet layers of qwen3_next / qwen3_5 targets get their instance class swapped for a
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
-from . import kernels
+from .. import kernels
 
 MAX_TOKENS = 32  # longest pass whose per-token states are kept (verify passes; not prompts)
 

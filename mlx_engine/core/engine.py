@@ -20,15 +20,15 @@ from typing import Iterator
 import mlx.core as mx
 import mlx.nn as nn
 
-from . import cache as cache_ops
-from . import host, kernels
-from .batch_invariant import is_batch_invariant, make_batch_invariant
-from .kernels.acceptance import uniforms_from_key
-from .drafters.base import Draft, Drafter, HiddenRequest, Verdict, hidden_request
+from ..target import cache as cache_ops
+from .. import host, kernels
+from ..target.batch_invariant import is_batch_invariant, make_batch_invariant
+from ..kernels.acceptance import uniforms_from_key
+from ..drafters.base import Draft, Drafter, HiddenRequest, Verdict, hidden_request
 from .policy import AdaptivePolicy, FixedPolicy
-from .sampling import SamplingConfig, probabilities, process_logits
+from ..sampling import SamplingConfig, probabilities, process_logits
 from .stats import SpecStats
-from .target import Target
+from ..target.model import Target
 from .verify import accept_greedy, accept_sampled
 
 

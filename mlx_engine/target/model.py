@@ -3,7 +3,7 @@
 mlx-lm models are `Model(inputs, cache) -> logits` with an inner `model` whose output is the
 final-normed hidden state and whose `layers` are the decoder layers. We never fork a model class: to
 capture a module's output we swap that instance's class for a subclass whose __call__ records it
-(parameters and names are untouched). What is captured is a HiddenRequest (drafters/base.py): the
+(parameters and names are untouched). What is captured is a HiddenRequest (target/hidden.py): the
 outputs of chosen decoder layers (EAGLE-3, DFlash) and/or the final-normed state (MTP heads).
 """
 
@@ -11,7 +11,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .cache import make_cache
-from .drafters.base import FINAL_HIDDEN, HiddenRequest
+from .hidden import FINAL_HIDDEN, HiddenRequest
 from .hybrid import enable_per_token_states
 
 

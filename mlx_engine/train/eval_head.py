@@ -1,6 +1,6 @@
-"""Measure a trained MTP head on held-out prompts (training/prompts_eval.jsonl) with the engine.
+"""Measure a trained MTP head on held-out prompts (mlx_engine/train/data/prompts_eval.jsonl) with the engine.
 
-    python training/eval_head.py [--head mlx_engine/heads/smollm2-135m-instruct/mtp.safetensors]
+    python -m mlx_engine.train.eval_head [--head mlx_engine/heads/smollm2-135m-instruct/mtp.safetensors]
         [--ks 1,2,3] [--max-tokens 96] [--out results.json]
 
 Per prompt, in one process and rotating the order: plain greedy decoding (num_draft=0) and MTP with
@@ -15,14 +15,14 @@ import statistics
 import sys
 from pathlib import Path
 
-HERE = Path(__file__).parent
+DATA = Path(__file__).parent / "data"  # prompts and corpora, shipped as package data
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--model", default=None)
     p.add_argument("--head", default=None, help="head file (default: the one next to the model)")
-    p.add_argument("--prompts", default=str(HERE / "prompts_eval.jsonl"))
+    p.add_argument("--prompts", default=str(DATA / "prompts_eval.jsonl"))
     p.add_argument("--ks", default="1,2,3")
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--limit", type=int, default=0)
@@ -30,7 +30,7 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
 
     from mlx_engine import Engine, GenerationConfig
-    from mlx_engine.default_model import default_model_path
+    from mlx_engine.models.default import default_model_path
     from mlx_engine.drafters.mtp import load_mtp_drafter
     from mlx_engine.models import load
 
