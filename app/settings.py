@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import ClassVar
 
 APP_NAME = "mlx-engine"
-DRAFTERS = ("none", "draft", "ngram", "mtp")
+from mlx_engine.drafters.registry import KINDS as DRAFTERS  # noqa: E402
 
 
 def config_dir() -> Path:

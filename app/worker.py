@@ -15,8 +15,8 @@ from typing import Callable
 
 import mlx_engine  # noqa: F401  (OpenBLAS before mlx)
 import mlx.core as mx
-from mlx_engine import DraftModelDrafter, Engine, GenerationConfig, ModelLoadError, NgramDrafter, SamplingConfig
-from mlx_engine.cli import check_same_tokenizer
+from mlx_engine import Engine, GenerationConfig, ModelLoadError, NgramDrafter, SamplingConfig
+from mlx_engine.drafters.registry import DrafterOptions, make_drafter
 from mlx_engine.models import load as load_model
 
 from .messages import (
@@ -274,21 +274,7 @@ class EngineWorker:
         self.post(ModelLoaded(name, drafter.name if drafter is not None else "none", info, warning))
 
     def _make_drafter(self, req: LoadRequest, loaded, engine: Engine):
-        if req.drafter == "ngram":
-            return NgramDrafter()
-        if req.drafter == "draft":
-            if not req.draft_model:
-                raise ValueError("--drafter draft needs --draft-model PATH")
-            draft = load_model(req.draft_model)
-            check_same_tokenizer(loaded.tokenizer, draft.tokenizer, req.draft_model)
-            return DraftModelDrafter(draft.model, engine.target.vocab_size)
-        if req.drafter == "mtp":
-            try:
-                from mlx_engine.drafters.mtp import load_mtp_drafter
-            except ImportError as e:
-                raise ValueError(f"the MTP drafter is not available in this build ({e})") from None
-            return load_mtp_drafter(loaded.model, loaded.path, loaded.config)
-        raise ValueError(f"unknown drafter {req.drafter!r}")
+        return make_drafter(req.drafter, loaded, DrafterOptions(draft_model=req.draft_model))
 
     def _live_mode(self) -> str:
         with self._lock:

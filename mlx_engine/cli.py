@@ -6,13 +6,13 @@ import sys
 
 from . import text
 from .args import finite
-from .drafters.draft_model import DraftModelDrafter
-from .drafters.ngram import NgramDrafter
+from .drafters import registry
+from .drafters.registry import DrafterError, DrafterOptions
 from .core.engine import Engine, GenerationConfig
 from .models import LoadedModel, ModelLoadError, load
 from .sampling import SamplingConfig
 
-DRAFTERS = ("none", "draft", "ngram", "mtp")
+DRAFTERS = registry.KINDS
 
 
 class UsageError(ValueError):
@@ -82,54 +82,13 @@ def encode_prompt(tokenizer, text: str, chat_template: bool) -> list[int]:
     return list(tokenizer.encode(text))
 
 
-def check_same_tokenizer(target_tok, draft_tok, draft_name: str) -> None:
-    """Refuse a draft whose vocabulary maps tokens to other ids than the target's."""
-    tv, dv = target_tok.get_vocab(), draft_tok.get_vocab()
-    if tv == dv:
-        return
-    differing = sorted(set(tv.items()) ^ set(dv.items()), key=lambda kv: kv[1])[:3]
-    raise UsageError(
-        f"draft model {draft_name} has another vocabulary than the target "
-        f"(target {len(tv)} tokens, draft {len(dv)} tokens; e.g. {differing}); "
-        "a draft must share the target's tokenizer"
-    )
-
-
 def make_drafter(args, target: LoadedModel):
-    from .target.model import Target
-
-    name = args.drafter
-    if name not in DRAFTERS:
-        raise UsageError(f"unknown drafter {name!r}; choose one of {', '.join(DRAFTERS)}")
-    if name != "draft" and args.draft_model:
-        raise UsageError("--draft-model is only used with --drafter draft")
-    subset_file = getattr(args, "draft_vocab_subset", None)
-    if name != "draft" and subset_file:
-        raise UsageError("--draft-vocab-subset is only used with --drafter draft")
-    if name == "none":
-        return None
-    if name == "ngram":
-        return NgramDrafter()
-    vocab = Target(target.model).vocab_size
-    if name == "draft":
-        if not args.draft_model:
-            raise UsageError("--drafter draft needs --draft-model PATH")
-        draft = load(args.draft_model)
-        check_same_tokenizer(target.tokenizer, draft.tokenizer, args.draft_model)
-        subset = None
-        if subset_file:
-            from .drafters.vocab_subset import load_vocab_subset
-
-            try:
-                subset = load_vocab_subset(subset_file, vocab)
-            except (OSError, ValueError) as e:
-                raise UsageError(f"--draft-vocab-subset: {e}") from None
-        return DraftModelDrafter(draft.model, vocab, vocab_subset=subset)
+    opts = DrafterOptions(draft_model=args.draft_model, draft_vocab_subset=getattr(args, "draft_vocab_subset", None),
+                          mtp_weights=getattr(args, "mtp_weights", None))
     try:
-        from .drafters.mtp import load_mtp_drafter
-    except ImportError as e:
-        raise UsageError(f"--drafter mtp is not available in this build ({e})") from e
-    return load_mtp_drafter(target.model, target.path, target.config, mtp_weights=args.mtp_weights)
+        return registry.make_drafter(args.drafter, target, opts)
+    except DrafterError as e:
+        raise UsageError(str(e)) from None
 
 
 def build(args):

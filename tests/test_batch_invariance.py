@@ -14,7 +14,7 @@ from mlx_lm.utils import quantize_model
 
 import tiny_models
 from mlx_engine import DraftModelDrafter, Engine, GenerationConfig
-from mlx_engine import cache as cache_ops
+from mlx_engine.target import cache as cache_ops
 from mlx_engine.target.batch_invariant import invariant_attention, make_batch_invariant, tree_sum
 from reference import mlx_lm_greedy
 from test_greedy_equality import PROMPT

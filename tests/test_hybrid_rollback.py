@@ -12,7 +12,7 @@ from mlx_lm.models.cache import ArraysCache, KVCache
 
 import tiny_models
 from mlx_engine import DraftModelDrafter, Engine, GenerationConfig
-from mlx_engine import cache as cache_ops
+from mlx_engine.target import cache as cache_ops
 from mlx_engine.target.hybrid import enable_per_token_states
 from reference import mlx_lm_greedy
 from test_greedy_equality import PROMPT

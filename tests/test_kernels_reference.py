@@ -21,7 +21,8 @@ if _ROOT not in sys.path:  # a stale editable install may map metal_kernels to a
     sys.path.insert(0, _ROOT)
 
 import metal_kernels  # noqa: E402
-from mlx_engine import kernels, verify  # noqa: E402
+from mlx_engine import kernels  # noqa: E402
+from mlx_engine.core import verify  # noqa: E402
 from mlx_engine.kernels import acceptance as A  # noqa: E402
 from mlx_engine.kernels import batch_qmm as Q  # noqa: E402
 from mlx_engine.kernels import compiled as C  # noqa: E402
@@ -424,7 +425,7 @@ def test_compiled_per_length_for_pure_functions():
 
 @pytest.mark.cpu_exact
 def test_bench_verify_smoke(capsys):
-    from mlx_engine import bench_verify
+    from mlx_engine.bench import verify as bench_verify
 
     rc = bench_verify.main(["--layers", "1", "--hidden", "64", "--vocab", "500", "--max-len", "3", "--prefill", "8", "--trials", "1"])
     out = capsys.readouterr().out

