@@ -108,7 +108,6 @@ def cycles(g: dict[str, set[str]]) -> list[list[str]]:
     return out
 
 
-# Layers, top to bottom: a module may import its own layer or lower ones, never higher.
 LAYERS = [  # top to bottom: a module may import its own floor's package or any floor below
     ("commands", ("app", "mlx_engine.__main__", "mlx_engine.cli", "mlx_engine.convert", "mlx_engine.bench",
                   "mlx_engine.serve", "mlx_engine.train")),
