@@ -250,14 +250,12 @@ class Engine:
             draft = self._propose(k, sampling, dkey, profile)
             k = draft.tokens.shape[0]
             ckpt, logits, hidden = self._verify(draft, want_hidden, profile)
-            t_sync = time.perf_counter()
-            verdict, drafted = self._accept(logits, draft, sampling, profile)
-            t_back = time.perf_counter()
+            verdict, drafted, waited = self._accept(logits, draft, sampling, profile)
             self._commit(ckpt, verdict, hidden)
             emitted, stopped = self._emit(verdict.tokens, cfg)
             n = min(verdict.n_accepted, len(emitted))
             stats.record_cycle(k, n, len(emitted))
-            stats.time_host += (t_sync - t_cycle) + (time.perf_counter() - t_back)
+            stats.time_host += time.perf_counter() - t_cycle - waited  # all but the wait for the device
             stats.decode_time = time.perf_counter() - t_decode
             stats.peak_memory = mx.get_peak_memory()
             policy.observe(k, n, time.perf_counter() - t_cycle)
@@ -322,18 +320,20 @@ class Engine:
             self.stats.time_verify += time.perf_counter() - t
         return ckpt, logits, hidden
 
-    def _accept(self, logits, draft: Draft, sampling: SamplingConfig, profile: bool) -> tuple[Verdict, list[int]]:
-        """The acceptance rule on device, then the cycle's one host read. -> (verdict, the drafted tokens)."""
+    def _accept(self, logits, draft: Draft, sampling: SamplingConfig, profile: bool):
+        """The acceptance rule on device, then the cycle's one host read.
+        -> (verdict, the drafted tokens, seconds spent waiting for the device)."""
         k = draft.tokens.shape[0]
         out = self._choose(logits, self._context(sampling, draft.tokens), draft, sampling, self._next_key())
         packed = mx.concatenate([out, draft.tokens.astype(mx.int32)])  # drafts ride along for the trace
         t_sync = time.perf_counter()
         values = host.read(packed)  # the cycle's one host synchronisation
+        waited = time.perf_counter() - t_sync
         if profile:
-            self.stats.time_sample += time.perf_counter() - t_sync
+            self.stats.time_sample += waited
             self.stats.profiled_cycles += 1
         n = values[0]
-        return Verdict(k, n, values[1 : n + 2]), values[k + 2 :]
+        return Verdict(k, n, values[1 : n + 2]), values[k + 2 :], waited
 
     def _next_key(self) -> mx.array:
         self._target_key, key = mx.random.split(self._target_key)
