@@ -62,8 +62,18 @@ def build_service(args):
         raise UsageError(str(e)) from None
     common = dict(max_queue=args.max_queue, num_draft=num_draft)
     worker = None
-    if args.batching == "continuous":
-        raise UsageError("--batching continuous: not in this build yet; serving with a fair queue")
+    if args.batching != "fair":
+        from ..core.batch_engine import BatchEngine
+        from .batch import BatchWorker
+
+        engine = BatchEngine(loaded.model, drafter, num_draft=num_draft, max_batch=args.max_concurrency)
+        if engine.supported is None:
+            worker = BatchWorker(engine, loaded.tokenizer, drafter.name if drafter is not None else None, **common)
+        elif args.batching == "continuous":
+            raise UsageError(f"--batching continuous: this model cannot be batched ({engine.supported})")
+        else:
+            print(f"note: serving one request at a time (fair queue): this model cannot be batched yet "
+                  f"({engine.supported})", file=sys.stderr)
     if worker is None:
         worker = FairQueueWorker(Engine(loaded.model, drafter), loaded.tokenizer, **common)
     name = Path(str(loaded.path)).name
