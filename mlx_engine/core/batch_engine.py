@@ -230,8 +230,10 @@ class BatchEngine:
                 kv = []
                 for bc in self.cache:
                     k, v = bc.row(i)
-                    kv.append((k[:, :, : len(fed)], v[:, :, : len(fed)]))
-                hidden = mx.concatenate(s.hidden_rows)[: len(fed)] if s.hidden_rows else None
+                    # copies: a view would keep the whole batch cache alive after its rows are dropped
+                    kv.append((mx.contiguous(k[:, :, : len(fed)]), mx.contiguous(v[:, :, : len(fed)])))
+                hidden = mx.contiguous(mx.concatenate(s.hidden_rows)[: len(fed)]) if s.hidden_rows else None
+                host.start([a for pair in kv for a in pair] + ([hidden] if hidden is not None else []))
                 self._prefixes = [p for p in self._prefixes if p[0] != fed][-(self.keep_prefixes - 1):] + \
                     [(fed, kv, hidden)]
         keep = [i for i in range(len(self.seqs)) if i not in set(rows)]
