@@ -92,7 +92,7 @@ def main(argv=None) -> int:
             results.append(r)
             print(json.dumps(r), flush=True)
         if mode == "auto":
-            print(json.dumps({"mode": mode, "policy": engine.policy.costs()}), flush=True)
+            print(json.dumps({"mode": mode, "policy": engine.policy.report()}), flush=True)
     print("\nclients  " + "  ".join(f"{m:>16}" for m in args.modes.split(",")))
     for c in args.clients:
         row = [next(r for r in results if r["clients"] == c and r["mode"] == m) for m in args.modes.split(",")]

@@ -119,10 +119,16 @@ class BatchPolicy:
                 self.tries[i] = self.tries[i] * fade + 1.0
 
     def costs(self) -> dict:
-        """Predicted step milliseconds for batch sizes 1..8 at k = 0..3, and the acceptance (reports)."""
+        """Predicted seconds per step by batch size (1, 2, 4, 8) and k (0..3): {B: {k: seconds}}."""
         if not self._ready():
             return {}
-        return {"step_ms": {b: {k: round(self.cost(b, k) * 1000, 1) for k in range(4)} for b in (1, 2, 4, 8)},
+        return {b: {k: self.cost(b, k) for k in range(4)} for b in (1, 2, 4, 8)}
+
+    def report(self) -> dict:
+        """What the policy believes now: step milliseconds, acceptance per position, its k per batch size."""
+        if not self._ready():
+            return {}
+        return {"step_ms": {b: {k: round(t * 1000, 1) for k, t in c.items()} for b, c in self.costs().items()},
                 "acceptance": [round(a, 3) for a in self.acceptance()[:4]],
                 "choice": {b: self.choose(b) for b in (1, 2, 4, 8)}}
 
@@ -138,4 +144,7 @@ class FixedBatchPolicy:
         pass
 
     def costs(self) -> dict:
+        return {}
+
+    def report(self) -> dict:
         return {}
