@@ -5,7 +5,8 @@ Each of C clients sends R requests one after another (a chat prompt of bench/pro
 EOS or --max-tokens); a client's next request joins the running batch as soon as its previous one ends,
 so sequences join and leave between steps as in the server. Per cell: requests/s and aggregate tok/s
 (completion tokens of all requests / wall time, prefill included). One BatchEngine per mode serves all
-cells (its batch policy keeps what it measured, as a server does), after one warm-up request.
+cells (its batch policy keeps what it measured, as a server does), after one warm-up request; the modes
+run interleaved per cell, in alternating order, so a drift of the machine's load favours none.
 Bounded: --max-seconds per cell (a cell cut short says so).
 """
 
@@ -65,6 +66,7 @@ def main(argv=None) -> int:
     ap.add_argument("--modes", default="off,auto", help="comma-separated: off, auto, or a fixed k (default off,auto)")
     ap.add_argument("--max-seconds", type=count(1), default=300, help="bound per cell (default 300)")
     ap.add_argument("--suite", default="chat", help="prompt suite in bench/prompts (default chat)")
+    ap.add_argument("--repeats", type=count(1), default=1, help="rounds over all cells (default 1)")
     ap.add_argument("--json", help="write the results here too")
     args = ap.parse_args(argv)
 
@@ -77,26 +79,39 @@ def main(argv=None) -> int:
     prompts = load_prompts(args.suite, 16, loaded.tokenizer)
     stop = frozenset(getattr(loaded.tokenizer, "eos_token_ids", None) or ())
     drafter = make_drafter(args.drafter, loaded)
-    results = []
-    for mode in args.modes.split(","):
+    modes = args.modes.split(",")
+    engines = {}
+    for mode in modes:
         nd = 0 if mode == "off" else ("auto" if mode == "auto" else int(mode))
-        engine = BatchEngine(loaded.model, None if mode == "off" else drafter, num_draft=nd,
-                             max_batch=max(args.clients))
-        if engine.supported is not None:
-            print(f"error: {engine.supported}", file=sys.stderr)
+        engines[mode] = BatchEngine(loaded.model, None if mode == "off" else drafter, num_draft=nd,
+                                    max_batch=max(args.clients))
+        if engines[mode].supported is not None:
+            print(f"error: {engines[mode].supported}", file=sys.stderr)
             return 2
-        run_cell(engine, prompts[-1:], 1, 1, 16, stop, args.max_seconds)  # warm-up
-        for c in args.clients:
-            r = run_cell(engine, prompts, c, args.requests, args.max_tokens, stop, args.max_seconds)
-            r["mode"] = mode
-            results.append(r)
-            print(json.dumps(r), flush=True)
+        run_cell(engines[mode], prompts[-1:], 1, 1, 16, stop, args.max_seconds)  # warm-up
+    results = []
+    for rep in range(args.repeats):
+        for j, c in enumerate(args.clients):
+            # modes interleaved, their order alternating: a machine whose load drifts favours none
+            for mode in (modes if (j + rep) % 2 == 0 else modes[::-1]):
+                engine = engines[mode]
+                before = dict(engine.k_steps)
+                r = run_cell(engine, prompts, c, args.requests, args.max_tokens, stop, args.max_seconds)
+                r["mode"], r["repeat"] = mode, rep
+                r["steps_by_k"] = {k: n - before.get(k, 0) for k, n in sorted(engine.k_steps.items())
+                                   if n - before.get(k, 0)}
+                results.append(r)
+                print(json.dumps(r), flush=True)
+    for mode in modes:
         if mode == "auto":
-            print(json.dumps({"mode": mode, "policy": engine.policy.report()}), flush=True)
-    print("\nclients  " + "  ".join(f"{m:>16}" for m in args.modes.split(",")))
+            print(json.dumps({"mode": mode, "policy": engines[mode].policy.report()}), flush=True)
+    print("\nclients  " + "  ".join(f"{m:>16}" for m in modes) + "   (aggregate tok/s: total tokens / total seconds)")
     for c in args.clients:
-        row = [next(r for r in results if r["clients"] == c and r["mode"] == m) for m in args.modes.split(",")]
-        print(f"{c:>7}  " + "  ".join(f"{r['tok_per_s']:>9.1f} tok/s " for r in row))
+        cells = []
+        for m in modes:
+            rs = [r for r in results if r["clients"] == c and r["mode"] == m]
+            cells.append(sum(r["tokens"] for r in rs) / sum(r["seconds"] for r in rs))
+        print(f"{c:>7}  " + "  ".join(f"{v:>9.2f} tok/s " for v in cells))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

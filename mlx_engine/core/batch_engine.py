@@ -112,6 +112,7 @@ class BatchEngine:
         self._prefixes: list[tuple[list[int], list, mx.array | None]] = []  # (tokens, per-layer (k, v), hidden)
         self.supported = batchable(self.target.make_cache())  # None, or why this model cannot batch
         self.steps = 0
+        self.k_steps: dict[int, int] = {}  # steps run at each draft length (reports)
 
     # -- joining and leaving ---------------------------------------------------------------------------
     def running(self) -> int:
@@ -306,6 +307,7 @@ class BatchEngine:
             if reason:
                 finished.append(i)
         self.policy.observe(b, k, accepted, seconds)
+        self.k_steps[k] = self.k_steps.get(k, 0) + 1
         self._drop(finished)
         self.steps += 1
         return outputs
