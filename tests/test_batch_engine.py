@@ -77,7 +77,8 @@ def test_mtp_rows_draft_with_their_own_state(tmp_path_factory):
     folder = make(tmp_path_factory, "deepseek_v3")
     model, config = load_hf(folder)
     reqs = {i: (p, 24, {}) for i, p in enumerate(PROMPTS[:3])}
-    engine = BatchEngine(model, load_mtp_drafter(model, folder, config), num_draft=2, max_batch=3)
+    engine = BatchEngine(model, load_mtp_drafter(model, folder, config), num_draft=2, max_batch=3,
+                         batched_drafting=False)
     assert engine.supported is None
     got, _ = run(engine, reqs, joins={1: [2]})
     for i, (p, n, _) in reqs.items():
@@ -153,3 +154,40 @@ def test_batch_cache_rows_match_single_caches():
     batch.trim_row(1, 2)
     assert batch.lens == [8, 10]
     assert mx.array_equal(batch.row(1)[0], singles[1].keys[:, :, :10])
+
+
+@pytest.mark.cpu_exact
+def test_batched_mtp_drafts_what_a_head_per_row_drafts(tmp_path_factory):
+    """One head pass for all rows (drafters/mtp/batched.py) proposes, step by step, exactly the drafts of
+    a separate MTP drafter per row, with rows joining and leaving, and the outputs equal alone."""
+    folder = make(tmp_path_factory, "deepseek_v3")
+    model, config = load_hf(folder)
+    drafter = load_mtp_drafter(model, folder, config)
+    reqs = {i: (p, 14 + 4 * i, {}) for i, p in enumerate(PROMPTS[:4])}
+    logs = {}
+    for batched in (False, True):
+        engine = BatchEngine(model, drafter, num_draft=3, max_batch=4, batched_drafting=batched)
+        assert (engine.batched is not None) == batched
+        log = logs[batched] = []
+        if batched:
+            propose = engine.batched.propose
+
+            def record(k, samplings, keys):
+                drafts = propose(k, samplings, keys)
+                log.extend((s.id, d.tokens.tolist()) for s, d in zip(engine.seqs, drafts))
+                return drafts
+
+            engine.batched.propose = record
+        else:
+            per_row = engine._propose
+
+            def record(s, k):
+                d = per_row(s, k)
+                log.append((s.id, d.tokens.tolist()))
+                return d
+
+            engine._propose = record
+        got, _ = run(engine, reqs, joins={2: [2], 4: [3]})
+        for i, (p, n, _) in reqs.items():
+            assert got[i] == alone(model, p, n)
+    assert logs[True] == logs[False] and len(logs[True]) > 10

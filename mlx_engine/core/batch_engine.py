@@ -27,6 +27,7 @@ import mlx.core as mx
 
 from .. import host
 from ..drafters.base import Draft, Verdict, hidden_request
+from ..drafters.mtp.batched import BatchedMTP, batchable_mtp
 from ..sampling import SamplingConfig, probabilities, process_logits
 from ..target.batch_cache import BatchKVCache, batchable
 from ..target.model import Target
@@ -94,10 +95,12 @@ class BatchEngine:
     """Call from one thread (the one that owns MLX): add / cancel / step."""
 
     def __init__(self, model, drafter=None, num_draft: int | str = "auto", max_batch: int = 8, max_draft: int = 8,
-                 prefill_step: int = 2048, keep_prefixes: int = 4):
+                 prefill_step: int = 2048, keep_prefixes: int = 4, batched_drafting: bool = True):
         self.target = Target(model)
         self.drafter = drafter  # the prototype: every sequence drafts with its own copy
         self.want_hidden = hidden_request(drafter)
+        # an MTP head drafts for all rows in one pass; any other drafter with a copy per row
+        self.batched = BatchedMTP(drafter) if batched_drafting and batchable_mtp(drafter) else None
         self.num_draft = num_draft if drafter is not None else 0
         self.policy = BatchPolicy(max_draft) if self.num_draft == "auto" else FixedBatchPolicy(self.num_draft)
         self.max_batch = max_batch
@@ -109,10 +112,12 @@ class BatchEngine:
         self._prefixes: list[tuple[list[int], list, mx.array | None]] = []  # (tokens, per-layer (k, v), hidden)
         self.supported = batchable(self.target.make_cache())  # None, or why this model cannot batch
         self.steps = 0
+        self.k_steps: dict[int, int] = {}  # steps run at each draft length (reports)
 
     # -- joining and leaving ---------------------------------------------------------------------------
     def running(self) -> int:
-        return len(self.seqs)
+        """Sequences in the batch, plus finished ones whose outputs the next step() still returns."""
+        return len(self.seqs) + sum(1 for o in self._pending if o.finished)
 
     def free_slots(self) -> int:
         return self.max_batch - len(self.seqs)
@@ -184,7 +189,9 @@ class BatchEngine:
             self._pending.append(Output(seq_id, [first], "stop" if first in seq.stop_tokens else "length",
                                         seq.stats(self.num_draft)))
             return
-        if self.drafter is not None:
+        if self.batched is not None:
+            self.batched.add_row(seq.history, hidden)
+        elif self.drafter is not None:
             seq.drafter = copy.copy(self.drafter)
             seq.drafter.begin(list(seq.history), hidden)
             if hasattr(seq.drafter, "flush"):  # the drafter's own prefill now, not in the next (timed) step
@@ -224,13 +231,17 @@ class BatchEngine:
                 kv = []
                 for bc in self.cache:
                     k, v = bc.row(i)
-                    kv.append((k[:, :, : len(fed)], v[:, :, : len(fed)]))
-                hidden = mx.concatenate(s.hidden_rows)[: len(fed)] if s.hidden_rows else None
+                    # copies: a view would keep the whole batch cache alive after its rows are dropped
+                    kv.append((mx.contiguous(k[:, :, : len(fed)]), mx.contiguous(v[:, :, : len(fed)])))
+                hidden = mx.contiguous(mx.concatenate(s.hidden_rows)[: len(fed)]) if s.hidden_rows else None
+                host.start([a for pair in kv for a in pair] + ([hidden] if hidden is not None else []))
                 self._prefixes = [p for p in self._prefixes if p[0] != fed][-(self.keep_prefixes - 1):] + \
                     [(fed, kv, hidden)]
         keep = [i for i in range(len(self.seqs)) if i not in set(rows)]
         for bc in self.cache:
             bc.keep_rows(keep)
+        if self.batched is not None:
+            self.batched.keep_rows(keep)
         self.seqs = [self.seqs[i] for i in keep]
 
     # -- one step ---------------------------------------------------------------------------------------
@@ -248,11 +259,14 @@ class BatchEngine:
         room = min(s.max_tokens - s.generated for s in self.seqs)
         k = self.policy.next_k(b) if self.drafter is not None else 0
         k = max(0, min(k, room - 1))
-        for s in self.seqs if k > 0 else ():
+        for s in self.seqs if k > 0 and self.batched is None else ():
             limit = s.drafter.max_draft()
             k = min(k, limit) if limit is not None else k
         t0 = time.perf_counter()
-        drafts = [self._propose(s, k) for s in self.seqs] if k > 0 else None
+        if k > 0 and self.batched is not None:
+            drafts = self.batched.propose(k, [s.sampling for s in self.seqs], [s.next_key() for s in self.seqs])
+        else:
+            drafts = [self._propose(s, k) for s in self.seqs] if k > 0 else None
         last = mx.array([[s.last] for s in self.seqs], dtype=mx.int32)
         inputs = mx.concatenate([last, mx.stack([d.tokens for d in drafts])], axis=1) if k > 0 else last
         logits, hidden = self.target.forward_batch(inputs, self.cache, self.want_hidden)
@@ -274,7 +288,9 @@ class BatchEngine:
             for bc in self.cache:
                 bc.trim_row(i, k - n)  # the rejected drafts
             h = hidden[i] if hidden is not None else None
-            if s.drafter is not None:
+            if self.batched is not None:
+                self.batched.commit(i, Verdict(k, n, tokens), h)
+            elif s.drafter is not None:
                 s.drafter.commit(Verdict(k, n, tokens), h)
             if h is not None:
                 s.hidden_rows.append(h[: n + 1])
@@ -291,6 +307,7 @@ class BatchEngine:
             if reason:
                 finished.append(i)
         self.policy.observe(b, k, accepted, seconds)
+        self.k_steps[k] = self.k_steps.get(k, 0) + 1
         self._drop(finished)
         self.steps += 1
         return outputs
