@@ -22,10 +22,10 @@ def test_drafts_where_verify_rows_are_cheap_and_stops_where_they_are_not():
         return 0.030 + 0.012 * b * (k + 1) + 0.002 * k
 
     p = BatchPolicy(max_k=4)
-    drive(p, 300, cost, lambda k, r: min(k, r % 2), lambda i: 1 if (i // 25) % 2 == 0 else 8)
+    drive(p, 300, cost, lambda k, r: min(k, 1 - r % 2), lambda i: 1 if (i // 25) % 2 == 0 else 8)
     assert p.choose(1) >= 1
     assert p.choose(8) == 0
-    late = drive(p, 64, cost, lambda k, r: min(k, r % 2), lambda i: 8)
+    late = drive(p, 64, cost, lambda k, r: min(k, 1 - r % 2), lambda i: 8)
     drafted = sum(1 for _, k in late if k > 0)
     assert drafted <= 64 // p.probe_every * 2 + 1  # only the probes draft
 

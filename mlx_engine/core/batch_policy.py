@@ -27,8 +27,9 @@ import numpy as np
 
 class BatchPolicy:
     def __init__(self, max_k: int = 8, probe_every: int = 16, decay: float = 0.98, prior_acceptance: float = 0.5,
-                 prior_weight: float = 4.0, window: float = 512.0):
+                 prior_weight: float = 4.0, window: float = 512.0, margin: float = 1.05):
         self.max_k = max_k
+        self.margin = margin
         self.probe_every = probe_every
         self.decay = decay  # per step, of the cost fit's weights
         self.prior_acceptance, self.prior_weight = prior_acceptance, prior_weight
@@ -75,7 +76,10 @@ class BatchPolicy:
         return b * self.expected_tokens(k) / self.cost(b, k)
 
     def choose(self, b: int) -> int:
-        return max(range(self.max_k + 1), key=lambda k: (self.speed(b, k), -k))
+        """The fastest k; drafting only when it beats plain decoding by `margin` (step times on a shared
+        machine are noisy: a predicted gain within the noise is not worth the risk of a loss)."""
+        best = max(range(1, self.max_k + 1), key=lambda k: (self.speed(b, k), -k))
+        return best if self.speed(b, best) > self.margin * self.speed(b, 0) else 0
 
     # -- the policy -----------------------------------------------------------------------------------------
     def _ready(self) -> bool:
