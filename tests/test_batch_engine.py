@@ -65,6 +65,8 @@ def test_concurrent_greedy_each_equals_alone(llama, num_draft):
         assert finish == ("stop" if ref[i][-1] in stop else "length")
         assert stats["completion_tokens"] == len(ref[i])
         assert 0 <= stats["accepted"] <= stats["drafted"]
+        if stats["verify_passes"]:  # tokens per drafting step: accepted drafts + 1, at most k + 1
+            assert 1 <= stats["tokens_per_verify"] <= (8 if num_draft == "auto" else num_draft) + 1
     if num_draft not in (0, "auto"):
         assert sum(s["accepted"] for _, s in done.values()) > 0  # prompt lookup found something to accept
 
