@@ -193,3 +193,19 @@ def test_batched_mtp_drafts_what_a_head_per_row_drafts(tmp_path_factory):
         for i, (p, n, _) in reqs.items():
             assert got[i] == alone(model, p, n)
     assert logs[True] == logs[False] and len(logs[True]) > 10
+
+
+@pytest.mark.parametrize("num_draft", [0, 2])
+def test_one_host_read_per_step(llama, num_draft):
+    """A batched step, drafting or plain, synchronises with the device once: the read of every row's verdict."""
+    from mlx_engine import host
+
+    engine = BatchEngine(llama, NgramDrafter(), num_draft=num_draft, max_batch=3)
+    for i, p in enumerate(PROMPTS[:3]):
+        engine.add(i, p, 30)
+    engine.step()  # the first tokens
+    before = dict(host.counts)
+    for _ in range(5):
+        engine.step()
+    assert host.counts["read"] - before["read"] == 5
+    assert host.counts["wait"] == before["wait"]

@@ -80,7 +80,9 @@ class BatchPolicy:
 
     @staticmethod
     def _features(b: int, k: int) -> np.ndarray:
-        return np.array([1.0, b * (k + 1), float(k)])
+        x = np.empty(3)  # host numbers, not device arrays
+        x[:] = (1.0, b * (k + 1), float(k))
+        return x
 
     def _fit(self, b: int, k: int) -> float:
         ridge = 1e-9 * np.eye(3) * max(1.0, np.trace(self.xtx))
