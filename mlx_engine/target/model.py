@@ -102,6 +102,24 @@ class Target:
             object.__setattr__(m, "_captured", None)
         return logits, parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-1)
 
+    def forward_batch(self, tokens: mx.array, cache: list, request: HiddenRequest | None = None):
+        """Logits of `tokens` [B, T] -> [B, T, V] and the hidden states `request` asks for, [B, T, H'] or None
+        (several sequences in one pass: `cache` holds one row per sequence, e.g. BatchKVCache layers)."""
+        mods = self._capture_modules(request) if request else []
+        for m in mods:
+            object.__setattr__(m, "_capture_on", True)
+        try:
+            logits = self.model(tokens, cache=cache)
+        finally:
+            for m in mods:
+                object.__setattr__(m, "_capture_on", False)
+        if not mods:
+            return logits, None
+        parts = [m._captured for m in mods]
+        for m in mods:
+            object.__setattr__(m, "_captured", None)
+        return logits, parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-1)
+
     def lm_head(self, h: mx.array) -> mx.array:
         """Logits from final-normed hidden states (what MTP heads feed their output through)."""
         if hasattr(self.text, "lm_head"):
