@@ -18,6 +18,7 @@ class DrafterOptions:
     draft_model: str | None = None  # --drafter draft: a model with the target's tokenizer
     draft_vocab_subset: str | None = None  # --drafter draft: safetensors with a 'vocab_subset' id array
     mtp_weights: str | None = None  # --drafter mtp: a head file (default: found beside the model)
+    eagle3: str | None = None  # --drafter eagle3: an EAGLE-3 checkpoint folder (HF layout)
 
 
 def check_same_tokenizer(target_tok, draft_tok, draft_name: str) -> None:
@@ -71,10 +72,22 @@ def _mtp(opts: DrafterOptions, loaded) -> Drafter:
     return load_mtp_drafter(loaded.model, loaded.path, loaded.config, mtp_weights=opts.mtp_weights)
 
 
+def _eagle3(opts: DrafterOptions, loaded) -> Drafter:
+    from .eagle3 import Eagle3Error, load_eagle3_drafter
+
+    if not opts.eagle3:
+        raise DrafterError("--drafter eagle3 needs --eagle3 PATH (an EAGLE-3 checkpoint folder)")
+    try:
+        return load_eagle3_drafter(opts.eagle3, loaded.model)
+    except (Eagle3Error, OSError) as e:
+        raise DrafterError(f"--eagle3: {e}") from None
+
+
 BUILDERS: dict[str, Callable[[DrafterOptions, object], Drafter]] = {
     "ngram": _ngram,
     "draft": _draft,
     "mtp": _mtp,
+    "eagle3": _eagle3,
 }
 KINDS = ("none", *BUILDERS)
 
@@ -88,4 +101,6 @@ def make_drafter(kind: str, loaded, opts: DrafterOptions | None = None) -> Draft
         raise DrafterError("--draft-model is only used with --drafter draft")
     if kind != "draft" and opts.draft_vocab_subset:
         raise DrafterError("--draft-vocab-subset is only used with --drafter draft")
+    if "eagle3" not in kind.split("+") and opts.eagle3:
+        raise DrafterError("--eagle3 is only used with --drafter eagle3 (or a chain with eagle3)")
     return None if kind == "none" else BUILDERS[kind](opts, loaded)
