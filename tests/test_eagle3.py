@@ -49,11 +49,16 @@ def _generate(model, drafter, k, n=48):
 
 
 def test_feature_layers_follow_vllm_indexing():
-    """id j = the input of layer j = the output of layer j - 1; default (2, L//2, L-3)."""
-    from mlx_engine.drafters.eagle3 import default_aux_ids
+    """Boundary j = the input of layer j = the output of layer j - 1; default (2, L//2, L-3). Checkpoint ids
+    starting at 1 are layer outputs (SpecForge (1, L//2-1, L-4)): the same layers as the default."""
+    from mlx_engine.drafters.eagle3 import aux_ids_of, boundaries, default_aux_ids
 
     assert default_aux_ids(32) == (2, 16, 29)
     assert aux_request((2, 16, 29), 32).layers == (1, 15, 28)
+    assert boundaries((1, 15, 28)) == (2, 16, 29) and boundaries((2, 16, 29)) == (2, 16, 29)
+    assert aux_ids_of({"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 15, 28]}}, 32) == (2, 16, 29)
+    assert aux_ids_of({"eagle_aux_hidden_state_layer_ids": [3, 16, 31]}, 32) == (3, 16, 31)
+    assert aux_ids_of({}, 32) == (2, 16, 29)
     with pytest.raises(Eagle3Error):
         aux_request((0, 3, 5), 6)
 

@@ -16,9 +16,12 @@ The published Hugging Face layout (SafeAILab/EAGLE `cnets.py`, vLLM and SGLang `
 The layer (vLLM `_norm_after_residual`): residual = g (hidden_norm(g) when `norm_before_residual`);
 h = residual + attn(cat[...]); y = h + mlp(post_attention_layernorm(h)). Logits = lm_head(norm(y)).
 
-Features: the residual-stream INPUTS of target layers `eagle_aux_hidden_state_layer_ids` (vLLM indexing:
-id j = the output of layer j - 1, 0 = the embedding), by default (2, L // 2, L - 3) as vLLM and the EAGLE
-repo pick them. The target captures the outputs of layers j - 1 in its own forward pass (HiddenRequest).
+Features: three residual-stream boundaries of the target, by default (2, L // 2, L - 3) as vLLM, SGLang and
+the EAGLE repo pick them (boundary j = the input of layer j = the output of layer j - 1; 0 = the embedding).
+Checkpoints name them in `eagle_aux_hidden_state_layer_ids` under two conventions (SGLang PR 25454): ids
+that start at 1 are layer OUTPUTS (SpecForge's (1, L//2 - 1, L - 4): boundary = id + 1, SGLang's historic
++1), any other first id is a boundary as vLLM reads it. The target captures the outputs of layers
+boundary - 1 in its own forward pass (HiddenRequest).
 
 Drafting rule (as MTP, mtp-heads.md §0): slot p takes (Emb(t_{p+1}), fc(features_p)) at RoPE position p
 and predicts t_{p+2}. Later draft steps chain the layer's own PRE-norm output y as the next hidden state
@@ -50,12 +53,18 @@ class Eagle3Error(ValueError):
 
 
 def default_aux_ids(num_layers: int) -> tuple[int, int, int]:
-    """vLLM's and EAGLE's choice, in vLLM indexing (id j = input of layer j = output of layer j - 1)."""
+    """vLLM's, SGLang's and EAGLE's choice, as boundaries (id j = input of layer j = output of layer j - 1)."""
     return (2, num_layers // 2, num_layers - 3)
 
 
+def boundaries(config_ids) -> tuple[int, ...]:
+    """Checkpoint ids -> residual boundaries (module doc): output-of-layer ids (first id 1) shift by one."""
+    ids = tuple(int(j) for j in config_ids)
+    return tuple(j + 1 for j in ids) if ids and ids[0] == 1 else ids
+
+
 def aux_request(aux_ids, num_layers: int) -> HiddenRequest:
-    """The target layers whose outputs are the features (ids in vLLM indexing, see the module doc)."""
+    """The target layers whose outputs are the features (`aux_ids`: boundaries, see the module doc)."""
     for j in aux_ids:
         if not 1 <= j <= num_layers:
             raise Eagle3Error(f"aux hidden state id {j} is outside 1..{num_layers} (the target has {num_layers} "
@@ -224,7 +233,7 @@ def read_config(folder: Path) -> dict:
 
 def aux_ids_of(cfg: dict, num_layers: int) -> tuple[int, ...]:
     ids = cfg.get(AUX_KEY) or (cfg.get("eagle_config") or {}).get(AUX_KEY)
-    ids = tuple(int(j) for j in ids) if ids else default_aux_ids(num_layers)
+    ids = boundaries(ids) if ids else default_aux_ids(num_layers)
     if len(ids) != 3:
         raise Eagle3Error(f"{AUX_KEY} must name 3 layers, got {list(ids)}")
     return ids

@@ -89,6 +89,18 @@ BUILDERS: dict[str, Callable[[DrafterOptions, object], Drafter]] = {
     "mtp": _mtp,
     "eagle3": _eagle3,
 }
+def _chain(model_kind: str) -> Callable[[DrafterOptions, object], Drafter]:
+    def build(opts: DrafterOptions, loaded) -> Drafter:
+        from .chain import ChainDrafter
+
+        return ChainDrafter(BUILDERS[model_kind](opts, loaded))
+
+    return build
+
+
+# chains: the n-gram draft when the context has a match, the model drafter otherwise (drafters/chain.py)
+CHAINS = {f"ngram+{m}": _chain(m) for m in ("mtp", "eagle3")}
+BUILDERS.update(CHAINS)
 KINDS = ("none", *BUILDERS)
 
 
@@ -97,7 +109,7 @@ def make_drafter(kind: str, loaded, opts: DrafterOptions | None = None) -> Draft
     opts = opts or DrafterOptions()
     if kind not in KINDS:
         raise DrafterError(f"unknown drafter {kind!r}; choose one of {', '.join(KINDS)}")
-    if kind != "draft" and opts.draft_model:
+    if kind != "draft" and opts.draft_model:  # (chains take the options of their model drafter)
         raise DrafterError("--draft-model is only used with --drafter draft")
     if kind != "draft" and opts.draft_vocab_subset:
         raise DrafterError("--draft-vocab-subset is only used with --drafter draft")
