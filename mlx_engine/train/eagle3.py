@@ -77,7 +77,7 @@ def encode_features(target, rows: list[list[int]], starts: list[int], request: H
         for j, i in enumerate(idx):
             out[i] = (np.array(rows[i][starts[i] :], dtype=np.int32), h[j, starts[i] : len(rows[i])])
         done += sum(len(rows[i]) for i in idx)
-        if progress and (b // batch) % 20 == 0:
+        if progress and (b // batch) % 5 == 0:
             progress(f"features: {b + len(idx)}/{len(rows)} sequences, {done} tokens, "
                      f"{done / (time.perf_counter() - t0):.0f} tok/s")
     return out
