@@ -18,6 +18,7 @@ class DrafterOptions:
     draft_model: str | None = None  # --drafter draft: a model with the target's tokenizer
     draft_vocab_subset: str | None = None  # --drafter draft: safetensors with a 'vocab_subset' id array
     mtp_weights: str | None = None  # --drafter mtp: a head file (default: found beside the model)
+    eagle3: str | None = None  # --drafter eagle3: an EAGLE-3 checkpoint folder (HF layout)
 
 
 def check_same_tokenizer(target_tok, draft_tok, draft_name: str) -> None:
@@ -71,11 +72,35 @@ def _mtp(opts: DrafterOptions, loaded) -> Drafter:
     return load_mtp_drafter(loaded.model, loaded.path, loaded.config, mtp_weights=opts.mtp_weights)
 
 
+def _eagle3(opts: DrafterOptions, loaded) -> Drafter:
+    from .eagle3 import Eagle3Error, load_eagle3_drafter
+
+    if not opts.eagle3:
+        raise DrafterError("--drafter eagle3 needs --eagle3 PATH (an EAGLE-3 checkpoint folder)")
+    try:
+        return load_eagle3_drafter(opts.eagle3, loaded.model)
+    except (Eagle3Error, OSError) as e:
+        raise DrafterError(f"--eagle3: {e}") from None
+
+
 BUILDERS: dict[str, Callable[[DrafterOptions, object], Drafter]] = {
     "ngram": _ngram,
     "draft": _draft,
     "mtp": _mtp,
+    "eagle3": _eagle3,
 }
+def _chain(model_kind: str) -> Callable[[DrafterOptions, object], Drafter]:
+    def build(opts: DrafterOptions, loaded) -> Drafter:
+        from .chain import ChainDrafter
+
+        return ChainDrafter(BUILDERS[model_kind](opts, loaded))
+
+    return build
+
+
+# chains: the n-gram draft when the context has a match, the model drafter otherwise (drafters/chain.py)
+CHAINS = {f"ngram+{m}": _chain(m) for m in ("mtp", "eagle3")}
+BUILDERS.update(CHAINS)
 KINDS = ("none", *BUILDERS)
 
 
@@ -84,8 +109,10 @@ def make_drafter(kind: str, loaded, opts: DrafterOptions | None = None) -> Draft
     opts = opts or DrafterOptions()
     if kind not in KINDS:
         raise DrafterError(f"unknown drafter {kind!r}; choose one of {', '.join(KINDS)}")
-    if kind != "draft" and opts.draft_model:
+    if kind != "draft" and opts.draft_model:  # (chains take the options of their model drafter)
         raise DrafterError("--draft-model is only used with --drafter draft")
     if kind != "draft" and opts.draft_vocab_subset:
         raise DrafterError("--draft-vocab-subset is only used with --drafter draft")
+    if "eagle3" not in kind.split("+") and opts.eagle3:
+        raise DrafterError("--eagle3 is only used with --drafter eagle3 (or a chain with eagle3)")
     return None if kind == "none" else BUILDERS[kind](opts, loaded)
