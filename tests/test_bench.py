@@ -106,7 +106,8 @@ def test_bench_runs_the_registry_chains_and_eagle3_on_the_edit_suite(tmp_path):
     write_eagle3(head, cfg, seed=3, draft_vocab=64)
     out = tmp_path / "r.json"
     rc = main(["--model", str(model), "--suite", "edit", "--prompts", "2", "--max-tokens", "6", "--trials", "1",
-               "--temps", "0,0.7", "--ks", "2", "--eagle3", str(head), "--modes", "eagle3", "--out", str(out)])
+               "--temps", "0,0.7", "--ks", "2", "--eagle3", str(head), "--modes", "eagle3", "--warmup-prompts", "1",
+               "--out", str(out)])
     assert rc == 0
     rows = json.loads(out.read_text())["results"]
     assert {r["mode"] for r in rows} == {"engine plain", "engine eagle3 k=2", "engine eagle3 auto",

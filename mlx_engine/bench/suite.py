@@ -228,6 +228,8 @@ def parser() -> ArgumentParser:
     ap.add_argument("--max-tokens", type=count(2), default=64,
                     help="tokens per generation, >= 2: decode speed is timed after the first (default 64)")
     ap.add_argument("--trials", type=count(1), default=3, help="timed trials, after one warm-up (default 3)")
+    ap.add_argument("--warmup-prompts", type=count(1), default=None,
+                    help="prompts the warm-up trial runs (default: all); the warm-up only loads and compiles")
     ap.add_argument("--temps", type=float_list(0.0), default=[0.0, 0.7], help="temperatures (default 0,0.7)")
     ap.add_argument("--ks", type=int_list(1), default=[1, 2, 3], help="fixed draft lengths, each >= 1 (default 1,2,3)")
     ap.add_argument("--modes", default="",
@@ -287,7 +289,8 @@ def run(args, argv) -> int:
     temps = args.temps
     out = Path(args.out) if args.out else default_out()
     results = {(m.name, t): [] for m in modes for t in temps}
-    total = (args.trials + 1) * len(modes) * len(temps) * len(prompts)
+    warm = min(args.warmup_prompts or len(prompts), len(prompts))
+    total = (args.trials * len(prompts) + warm) * len(modes) * len(temps)
     from rich.console import Console
 
     console = Console(stderr=True)
@@ -296,11 +299,12 @@ def run(args, argv) -> int:
         for trial in range(args.trials + 1):
             for temp in temps:
                 runs = {m.name: [] for m in modes}
-                for i, prompt in enumerate(prompts):
+                todo = prompts[: args.warmup_prompts] if trial == 0 and args.warmup_prompts else prompts
+                for i, prompt in enumerate(todo):
                     # every mode on this prompt back to back, the order rotating: drift hits all modes alike
                     shift = (i + trial) % len(modes)
                     label = "warm-up (not timed)" if trial == 0 else f"trial {trial}/{args.trials}"
-                    what = f"{label} t={temp:g} prompt {i + 1}/{len(prompts)}"
+                    what = f"{label} t={temp:g} prompt {i + 1}/{len(todo)}"
                     progress.update(task, description=what)
                     if not console.is_terminal:  # a log file: one line per prompt
                         print(f"{time.strftime('%H:%M:%S')} {what}", file=sys.stderr, flush=True)
