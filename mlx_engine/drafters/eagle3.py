@@ -208,7 +208,8 @@ def _rename(key: str) -> str | None:
 
 
 def _read_tensors(folder: Path) -> dict:
-    files = sorted(folder.glob("*.safetensors"))
+    # the weights are model*.safetensors (HF); other safetensors in the folder (a trainer's corpus) are not read
+    files = sorted(folder.glob("model*.safetensors")) or sorted(folder.glob("*.safetensors"))
     if not files:
         raise Eagle3Error(f"{folder}: no *.safetensors file (EAGLE-3 checkpoints must be in safetensors)")
     out = {}

@@ -102,6 +102,22 @@ class Target:
             object.__setattr__(m, "_captured", None)
         return logits, parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-1)
 
+    def hidden_batch(self, x: mx.array, cache, request: HiddenRequest) -> mx.array:
+        """The hidden states `request` names for a batch x [B, L] (no logits): [B, L, H']. Trainers use it
+        to read the features a drafter will be fed at run time, from the same capture as `forward`."""
+        mods = self._capture_modules(request)
+        for m in mods:
+            object.__setattr__(m, "_capture_on", True)
+        try:
+            self.inner(x, cache=cache)
+        finally:
+            for m in mods:
+                object.__setattr__(m, "_capture_on", False)
+        parts = [m._captured for m in mods]
+        for m in mods:
+            object.__setattr__(m, "_captured", None)
+        return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-1)
+
     def lm_head(self, h: mx.array) -> mx.array:
         """Logits from final-normed hidden states (what MTP heads feed their output through)."""
         if hasattr(self.text, "lm_head"):
