@@ -65,6 +65,8 @@ def test_concurrent_greedy_each_equals_alone(llama, num_draft):
         assert finish == ("stop" if ref[i][-1] in stop else "length")
         assert stats["completion_tokens"] == len(ref[i])
         assert 0 <= stats["accepted"] <= stats["drafted"]
+        if stats["verify_passes"]:  # tokens per drafting step: accepted drafts + 1, at most k + 1
+            assert 1 <= stats["tokens_per_verify"] <= (8 if num_draft == "auto" else num_draft) + 1
     if num_draft not in (0, "auto"):
         assert sum(s["accepted"] for _, s in done.values()) > 0  # prompt lookup found something to accept
 
@@ -191,3 +193,19 @@ def test_batched_mtp_drafts_what_a_head_per_row_drafts(tmp_path_factory):
         for i, (p, n, _) in reqs.items():
             assert got[i] == alone(model, p, n)
     assert logs[True] == logs[False] and len(logs[True]) > 10
+
+
+@pytest.mark.parametrize("num_draft", [0, 2])
+def test_one_host_read_per_step(llama, num_draft):
+    """A batched step, drafting or plain, synchronises with the device once: the read of every row's verdict."""
+    from mlx_engine import host
+
+    engine = BatchEngine(llama, NgramDrafter(), num_draft=num_draft, max_batch=3)
+    for i, p in enumerate(PROMPTS[:3]):
+        engine.add(i, p, 30)
+    engine.step()  # the first tokens
+    before = dict(host.counts)
+    for _ in range(5):
+        engine.step()
+    assert host.counts["read"] - before["read"] == 5
+    assert host.counts["wait"] == before["wait"]

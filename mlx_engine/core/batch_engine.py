@@ -60,7 +60,8 @@ class _Seq:
     generated: int = 1
     drafted: int = 0
     accepted: int = 0
-    verifies: int = 0
+    verifies: int = 0  # steps that drafted (plain steps are not verify passes)
+    verified_tokens: int = 0  # tokens those steps emitted
     prompt_time: float = 0.0
     t_decode: float = field(default_factory=time.perf_counter)
     decode_time: float = 0.0
@@ -74,7 +75,7 @@ class _Seq:
         d, a, v, g = self.drafted, self.accepted, self.verifies, self.generated
         return {
             "num_draft": num_draft, "drafted": d, "accepted": a, "acceptance": a / d if d else 0.0,
-            "verify_passes": v, "tokens_per_verify": (g - 1) / v if v else 0.0,
+            "verify_passes": v, "tokens_per_verify": self.verified_tokens / v if v else 0.0,
             "decode_tokens_per_second": (g - 1) / self.decode_time if self.decode_time > 0 else 0.0,
             "prompt_tokens": len(self.prompt), "completion_tokens": g, "reused_prompt_tokens": self.reused,
             "prompt_seconds": self.prompt_time, "decode_seconds": self.decode_time,
@@ -298,6 +299,7 @@ class BatchEngine:
             emitted, reason = self._emit(s, tokens)
             if k > 0:
                 s.verifies += 1
+                s.verified_tokens += len(emitted)
                 s.drafted += real
                 s.accepted += min(n, real, len(emitted))
             s.last = tokens[-1]

@@ -13,6 +13,11 @@ for the first time is predicted from the others, and the fit follows a machine w
 Acceptance is a property of the text and the drafter, not of B: one Beta-smoothed estimate per draft
 position from decayed counts, every row's verdict counting.
 
+Step times on a shared CPU are noisy (+-30% from one step to the next here), so the choice is cautious:
+it uses the acceptance's lower confidence bound (z = 1), a predicted cost never below a plain step plus
+10% of one per drafted token, and drafts only for a predicted gain over 5%. A policy that wrongly drafts
+loses throughput; one that wrongly stays plain loses only the speculative gain it did not prove.
+
 Exploration: until the fit has steps at two row counts, drafted and plain, it runs k = 1, 1, 0, ...
 While plain decoding wins it still drafts two steps in `probe_every` (k = 1), so a change of text or of
 load is noticed at a cost of a few per cent at most; while drafting wins it tries a neighbour of the
@@ -22,13 +27,19 @@ timed (it carries the drafter's catch-up over those steps).
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 
 class BatchPolicy:
     def __init__(self, max_k: int = 8, probe_every: int = 16, decay: float = 0.98, prior_acceptance: float = 0.5,
-                 prior_weight: float = 4.0, window: float = 512.0):
+                 prior_weight: float = 4.0, window: float = 512.0, margin: float = 1.05,
+                 min_draft_cost: float = 0.1, confidence: float = 1.0):
         self.max_k = max_k
+        self.margin = margin
+        self.min_draft_cost = min_draft_cost
+        self.confidence = confidence  # z of the acceptance lower bound the choice uses
         self.probe_every = probe_every
         self.decay = decay  # per step, of the cost fit's weights
         self.prior_acceptance, self.prior_weight = prior_acceptance, prior_weight
@@ -46,36 +57,53 @@ class BatchPolicy:
         self._probe_left = 0
 
     # -- estimates ---------------------------------------------------------------------------------------
-    def acceptance(self) -> list[float]:
+    def acceptance(self, z: float = 0.0) -> list[float]:
+        """Beta-smoothed acceptance per draft position; z > 0: the Wilson lower bound at z deviations (how
+        the policy decides: drafting must win on the evidence, not on a lucky few drafts)."""
         out, prior = [], self.prior_acceptance
         for h, t in zip(self.hits, self.tries):
-            a = (h + prior * self.prior_weight) / (t + self.prior_weight)
-            out.append(a)
-            prior = min(prior, a)
+            h, t = h + prior * self.prior_weight, t + self.prior_weight
+            p = h / t
+            if z > 0:
+                z2 = z * z
+                p = (p + z2 / (2 * t) - z * math.sqrt(p * (1 - p) / t + z2 / (4 * t * t))) / (1 + z2 / t)
+            out.append(p)
+            prior = min(prior, p)
         return out
 
-    def expected_tokens(self, k: int) -> float:
+    def expected_tokens(self, k: int, z: float = 0.0) -> float:
         e, p = 1.0, 1.0
-        for a in self.acceptance()[:k]:
+        for a in self.acceptance(z)[:k]:
             p *= a
             e += p
         return e
 
     @staticmethod
     def _features(b: int, k: int) -> np.ndarray:
-        return np.array([1.0, b * (k + 1), float(k)])
+        x = np.empty(3)  # host numbers, not device arrays
+        x[:] = (1.0, b * (k + 1), float(k))
+        return x
 
-    def cost(self, b: int, k: int) -> float:
-        """Predicted seconds of a step of b rows at draft length k."""
+    def _fit(self, b: int, k: int) -> float:
         ridge = 1e-9 * np.eye(3) * max(1.0, np.trace(self.xtx))
         theta = np.linalg.solve(self.xtx + ridge, self.xty)
         return max(float(self._features(b, k) @ theta), 1e-6)
 
-    def speed(self, b: int, k: int) -> float:
-        return b * self.expected_tokens(k) / self.cost(b, k)
+    def cost(self, b: int, k: int) -> float:
+        """Predicted seconds of a step of b rows at draft length k; never below a plain step plus
+        `min_draft_cost` of it per drafted token (a noisy fit must not make drafting look free)."""
+        plain = self._fit(b, 0)
+        return plain if k == 0 else max(self._fit(b, k), plain * (1 + self.min_draft_cost * k))
+
+    def speed(self, b: int, k: int, z: float = 0.0) -> float:
+        return b * self.expected_tokens(k, z) / self.cost(b, k)
 
     def choose(self, b: int) -> int:
-        return max(range(self.max_k + 1), key=lambda k: (self.speed(b, k), -k))
+        """The fastest k; drafting only when it beats plain decoding by `margin` (step times on a shared
+        machine are noisy: a predicted gain within the noise is not worth the risk of a loss)."""
+        z = self.confidence
+        best = max(range(1, self.max_k + 1), key=lambda k: (self.speed(b, k, z), -k))
+        return best if self.speed(b, best, z) > self.margin * self.speed(b, 0) else 0
 
     # -- the policy -----------------------------------------------------------------------------------------
     def _ready(self) -> bool:

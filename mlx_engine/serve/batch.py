@@ -67,10 +67,12 @@ class BatchWorker(WorkerBase):
             return
         reason = self.closing.pop(result.seq_id, None) or result.finished
         s = result.stats or {}
+        passes = s.get("verify_passes", 0)
         spec = {
             "drafter": self.drafter_name, "drafted": s.get("drafted", 0), "accepted": s.get("accepted", 0),
             "acceptance": round(s.get("acceptance", 0.0), 4), "verify_passes": s.get("verify_passes", 0),
-            "tokens_per_verify": round(s.get("tokens_per_verify", 0.0), 4),
+            # per verify pass that drafted (plain steps of the batch are not verify passes): accepted + 1
+            "tokens_per_verify": round((s.get("accepted", 0) + passes) / passes, 4) if passes else 0.0,
             "decode_tps": round(s.get("decode_tokens_per_second", 0.0), 2),
         }
         self.counts["cancelled" if reason == "cancelled" else "served"] += 1

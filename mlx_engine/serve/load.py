@@ -3,9 +3,11 @@
     python -m mlx_engine.serve.load [--clients 1,2,4,8] [--requests 2] [--max-tokens 64] [--phase-time 120]
                                     [--url http://127.0.0.1:8080] [--json out.json] [-- SERVE FLAGS ...]
 
-Without --url it starts `python -m mlx_engine serve` itself, once with speculation on (--num-draft auto,
-or --spec-num-draft) and once off (--num-draft 0), on a free loopback port, with the serve flags given
-after `--`. With --url it uses that server and switches speculation per request (the `num_draft` field).
+Without --url it starts `python -m mlx_engine serve` itself, twice, on free loopback ports: one server with
+speculation on (--num-draft auto, or --spec-num-draft) and one off (--num-draft 0), with the serve flags
+given after `--`; the two settings then alternate per client count (in alternating order), so a machine
+load that drifts during the run favours neither. With --url it uses that server and switches speculation
+per request (the `num_draft` field; needs a server with --batching fair).
 
 Each phase runs C clients (threads with the real `openai` client), each sending streamed chat requests one
 after another (prompts from the held-out set, the same order for both settings, temperature 0) until the
@@ -124,8 +126,9 @@ class Phase:
             "error_sample": self.errors[:2], "seconds": round(wall, 2), "tokens": tokens,
             "requests_per_s": round(len(self.results) / wall, 3), "aggregate_tps": round(tokens / wall, 2),
             "ttft_median_s": round(statistics.median(r["ttft"] for r in self.results), 3) if self.results else None,
-            "acceptance": round(accepted / drafted, 3) if drafted else 0.0, "drafted": drafted,
-            "tokens_per_verify": round((tokens - len(self.results)) / passes, 3) if passes else 0.0,
+            "acceptance": round(accepted / drafted, 3) if drafted else 0.0, "drafted": drafted, "accepted": accepted,
+            "verify_passes": passes,  # steps that drafted; each emits its accepted drafts + 1
+            "tokens_per_verify": round((accepted + passes) / passes, 3) if passes else 0.0,
         }
 
 
@@ -142,21 +145,6 @@ def stop_server(proc: subprocess.Popen) -> None:
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-
-
-def run_setting(name: str, url: str, model: str, args, texts, num_draft) -> list[dict]:
-    # one short request first: the server's first cycles (policy bootstrap, lazy graph setup) are not measured
-    Phase(url, model, 1, 1, 8, 60, texts[-1:], num_draft).run()
-    rows = []
-    for c in args.clients:
-        row = Phase(url, model, c, args.requests * c, args.max_tokens, args.phase_time, texts, num_draft).run()
-        row["speculation"] = name
-        rows.append(row)
-        print(f"  {name:>4}  {c} clients: {row['requests']} requests in {row['seconds']:.1f} s, "
-              f"{row['requests_per_s']:.2f} req/s, {row['aggregate_tps']:.1f} tok/s aggregate, "
-              f"acceptance {row['acceptance']:.2f}, {row['tokens_per_verify']:.2f} tokens/verify"
-              + (f", {row['errors']} errors ({row['error_sample'][0]})" if row["errors"] else ""), flush=True)
-    return rows
 
 
 def table(rows: list[dict]) -> str:
@@ -198,20 +186,35 @@ def main(argv: list[str] | None = None) -> int:
         return p.error("need prompts, and --settings among on,off") or 2
     rows = []
     log = open(args.log, "ab") if args.log else subprocess.DEVNULL
-    for name in settings:
-        nd = args.spec_num_draft if name == "on" else "0"
-        if args.url:
-            model = wait_ready(args.url, None, 10)
-            rows += run_setting(name, args.url, model, args, texts, nd if nd == "auto" else int(nd))
-            continue
-        port = free_port()
-        proc = start_server(port, [*serve_flags, "--num-draft", nd], log)
-        try:
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the servers (finally below) when killed
+    servers, procs = {}, []
+    try:
+        for name in settings:  # every server up first: the phases then interleave (see below)
+            nd = args.spec_num_draft if name == "on" else "0"
+            if args.url:
+                servers[name] = (args.url, wait_ready(args.url, None, 10), nd if nd == "auto" else int(nd))
+                continue
+            port = free_port()
+            procs.append(start_server(port, [*serve_flags, "--num-draft", nd], log))
             url = f"http://127.0.0.1:{port}"
-            model = wait_ready(url, proc, 300)
-            print(f"speculation {name} (--num-draft {nd}):", flush=True)
-            rows += run_setting(name, url, model, args, texts, None)
-        finally:
+            servers[name] = (url, wait_ready(url, procs[-1], 300), None)
+            print(f"speculation {name}: server with --num-draft {nd} on {url}", flush=True)
+        for name, (url, model, nd) in servers.items():  # the first cycles (lazy set-up) are not measured
+            Phase(url, model, 1, 1, 8, 60, texts[-1:], nd).run()
+        # the settings alternate per client count, in alternating order, so a machine load that drifts
+        # during the run favours neither
+        for j, c in enumerate(args.clients):
+            for name in (settings if j % 2 == 0 else settings[::-1]):
+                url, model, nd = servers[name]
+                row = Phase(url, model, c, args.requests * c, args.max_tokens, args.phase_time, texts, nd).run()
+                row["speculation"] = name
+                rows.append(row)
+                print(f"  {name:>4}  {c} clients: {row['requests']} requests in {row['seconds']:.1f} s, "
+                      f"{row['requests_per_s']:.2f} req/s, {row['aggregate_tps']:.1f} tok/s aggregate, "
+                      f"acceptance {row['acceptance']:.2f}, {row['tokens_per_verify']:.2f} tokens/verify"
+                      + (f", {row['errors']} errors ({row['error_sample'][0]})" if row["errors"] else ""), flush=True)
+    finally:
+        for proc in procs:
             stop_server(proc)
     print(table(rows))
     with open("/proc/loadavg") as f:
