@@ -209,3 +209,27 @@ def test_one_host_read_per_step(llama, num_draft):
         engine.step()
     assert host.counts["read"] - before["read"] == 5
     assert host.counts["wait"] == before["wait"]
+
+
+@pytest.mark.cpu_exact
+def test_draft_model_rows_each_keep_their_own_draft_cache():
+    """A separate draft model (a noisy copy of the target) drafts with a copy per row, each with its own draft
+    cache and rollback: outputs equal alone, and the rows together accept about what the single-sequence
+    Engine accepts (a shared or mixed-up draft cache would draft for the wrong history and collapse it)."""
+    from mlx_engine.drafters.draft_model import DraftModelDrafter
+    from test_greedy_equality import noisy_copy
+
+    target = tiny_models.build("llama", seed=1)[0]
+    drafter = DraftModelDrafter(noisy_copy("llama"), tiny_models.VOCAB)
+    reqs = {i: (p, 20, {}) for i, p in enumerate(PROMPTS[:3])}
+    got, done = run(BatchEngine(target, drafter, num_draft=3, max_batch=3), reqs, joins={2: [2]})
+    for i, (p, n, _) in reqs.items():
+        assert got[i] == alone(target, p, n)
+    drafted = sum(s["drafted"] for _, s in done.values())
+    accepted = sum(s["accepted"] for _, s in done.values())
+    single_d = single_a = 0
+    for p, n, _ in reqs.values():
+        engine = Engine(target, drafter)
+        list(engine.generate(p, GenerationConfig(max_tokens=n, num_draft=3)))
+        single_d, single_a = single_d + engine.stats.drafted, single_a + engine.stats.accepted
+    assert single_a > 0 and accepted / drafted > 0.7 * single_a / single_d
