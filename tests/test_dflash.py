@@ -157,3 +157,22 @@ def test_distribution_at_temperature_one(root, n_samples):
     expected = exact_joint(model, cfg) * n_samples
     assert np.all(counts[expected == 0] == 0)
     assert chi_square_p_value(counts.ravel(), expected.ravel()) > 1e-3
+
+
+def test_continuous_batching_equals_each_request_alone(root):
+    """The server's batch engine: each sequence drafts with its own DFlash state; outputs == plain greedy."""
+    from mlx_engine.core.batch_engine import BatchEngine
+
+    path, _, _ = checkpoint(root, 8, seed=7)
+    model = target(8)
+    engine = BatchEngine(model, DFlashDrafter(load_dflash(path), model), num_draft=3)
+    assert engine.supported is None
+    prompts = {"a": prompt(8), "b": prompt(8)[:5]}
+    for sid, p in prompts.items():
+        engine.add(sid, p, 24)
+    out = {sid: [] for sid in prompts}
+    while engine.seqs or engine._pending:
+        for o in engine.step():
+            out[o.seq_id] += o.tokens
+    for sid, p in prompts.items():
+        assert out[sid] == mlx_lm_greedy(model, p, 24)

@@ -112,6 +112,8 @@ class BatchEngine:
         self._pending: list[Output] = []  # first tokens of sequences added since the last step
         self._prefixes: list[tuple[list[int], list, mx.array | None]] = []  # (tokens, per-layer (k, v), hidden)
         self.supported = batchable(self.target.make_cache())  # None, or why this model cannot batch
+        if self.supported is None and getattr(drafter, "reads_target_cache", False):
+            self.supported = f"the {drafter.name} drafter reads the single-sequence target cache"
         self.steps = 0
         self.k_steps: dict[int, int] = {}  # steps run at each draft length (reports)
 

@@ -21,6 +21,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-model", help="draft model for --drafter draft (same tokenizer as --model)")
     p.add_argument("--draft-vocab-subset", help="with --drafter draft: safetensors with a 'vocab_subset' id array")
     p.add_argument("--mtp-weights", help="MTP head file for --drafter mtp (default: found beside the model)")
+    p.add_argument("--dflash", help="DFlash checkpoint folder for --drafter dflash")
+    p.add_argument("--assistant", help="Gemma 4 assistant checkpoint folder for --drafter gemma4-assistant")
     p.add_argument("--num-draft", default="auto",
                    help="tokens drafted per cycle: k >= 0, or auto (default): per batch, the k that measures fastest")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
@@ -55,7 +57,8 @@ def build_service(args):
     loaded = load(args.model)
     kind = args.drafter or ("mtp" if args.model is None else "none")
     opts = DrafterOptions(draft_model=args.draft_model, draft_vocab_subset=args.draft_vocab_subset,
-                          mtp_weights=args.mtp_weights)
+                          mtp_weights=args.mtp_weights, dflash=getattr(args, "dflash", None),
+                          assistant=getattr(args, "assistant", None))
     try:
         drafter = registry.make_drafter(kind, loaded, opts)
     except DrafterError as e:
