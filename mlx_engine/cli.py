@@ -32,6 +32,9 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
                         "for --drafter mtp (default: the head next to the model, or the one shipped for it)")
     p.add_argument("--eagle3", metavar="PATH",
                    help="EAGLE-3 checkpoint folder (config.json + safetensors, Hugging Face layout) for --drafter eagle3")
+    p.add_argument("--dflash", help="DFlash checkpoint folder (z-lab layout) for --drafter dflash")
+    p.add_argument("--assistant", help="Gemma 4 assistant checkpoint folder for --drafter gemma4-assistant "
+                                       "(the target must be a Gemma 4 model)")
     p.add_argument("--num-draft", default="auto",
                    help="tokens drafted per cycle: k >= 0, or auto (default): the k that measures fastest, 0 included")
     p.add_argument("--temp", type=finite(0.0), default=0.0, help="sampling temperature; 0 = greedy (default)")
@@ -86,7 +89,8 @@ def encode_prompt(tokenizer, text: str, chat_template: bool) -> list[int]:
 
 def make_drafter(args, target: LoadedModel):
     opts = DrafterOptions(draft_model=args.draft_model, draft_vocab_subset=getattr(args, "draft_vocab_subset", None),
-                          mtp_weights=getattr(args, "mtp_weights", None), eagle3=getattr(args, "eagle3", None))
+                          mtp_weights=getattr(args, "mtp_weights", None), eagle3=getattr(args, "eagle3", None),
+                          dflash=getattr(args, "dflash", None), assistant=getattr(args, "assistant", None))
     try:
         return registry.make_drafter(args.drafter, target, opts)
     except DrafterError as e:

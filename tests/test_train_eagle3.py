@@ -3,8 +3,6 @@ draft logits at every depth, a few steps lower the loss, checkpoint + resume is 
 checkpoint (EAGLE-3 HF layout) loads through --drafter eagle3 and is lossless."""
 
 import json
-from types import SimpleNamespace
-
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -15,8 +13,7 @@ from mlx_engine.drafters.eagle3 import load_eagle3_drafter
 from mlx_engine.models import load
 from mlx_engine.target.model import Target
 from mlx_engine.train.corpus import generate_corpus
-from mlx_engine.train.eagle3 import (Eagle3Trainer, build_head, encode_features, feature_request, init_head, main,
-                                     write_checkpoint)
+from mlx_engine.train.eagle3 import build_head, encode_features, feature_request, init_head, main, unroll, write_checkpoint
 
 LAYERS = 6
 
@@ -61,11 +58,9 @@ def test_ttt_unroll_equals_the_drafters_run_time_logits(setup, tmp_path):
     write_checkpoint(tmp_path, head, subset, 320, (2, 3, 3), {"rms_norm_eps": m.config["rms_norm_eps"],
                                                                "rope_theta": m.config["rope_theta"]}, mx.float32)
     D, S = 3, 12
-    trainer = Eagle3Trainer.__new__(Eagle3Trainer)
-    trainer.args = SimpleNamespace(ttt=D)
     emb = target.embed_tokens
     es = mx.stack([emb(mx.array(tokens[j + 1 : j + 1 + S]))[None] for j in range(D)])
-    got = [np.array(s[0]) for s in trainer.unroll(head, feats[None, :S], es)]
+    got = [np.array(s[0]) for s in unroll(head, feats[None, :S], es)]
     drafter = load_eagle3_drafter(tmp_path, m.model)
     for p in (0, 4, S - 1):
         drafter.begin(tokens[: p + 2], feats[: p + 1])

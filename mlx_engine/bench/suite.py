@@ -97,11 +97,14 @@ def load_prompts(suite: str, n: int, tokenizer) -> list[list[int]]:
 
 
 def registry_drafters(args, loaded, mtp_ok: bool) -> dict:
-    """Drafters built by the registry (drafters/registry.py): the chains, and EAGLE-3 with --eagle3."""
+    """Drafters built by the registry (drafters/registry.py): the chains, and the kinds whose checkpoint
+    is given (--eagle3, --dflash, --assistant)."""
     from ..drafters import registry
 
-    opts = registry.DrafterOptions(mtp_weights=args.mtp_weights, eagle3=args.eagle3)
-    kinds = (["ngram+mtp"] if mtp_ok else []) + (["eagle3", "ngram+eagle3"] if args.eagle3 else [])
+    opts = registry.DrafterOptions(mtp_weights=args.mtp_weights, eagle3=args.eagle3, dflash=args.dflash,
+                                   assistant=args.assistant)
+    kinds = (["ngram+mtp"] if mtp_ok else []) + (["eagle3", "ngram+eagle3"] if args.eagle3 else []) \
+        + (["dflash"] if args.dflash else []) + (["gemma4-assistant"] if args.assistant else [])
     out = {}
     for kind in kinds:
         try:
@@ -222,6 +225,8 @@ def parser() -> ArgumentParser:
     ap.add_argument("--mtp-weights", help="MTP head file (default: found next to the model)")
     ap.add_argument("--eagle3", default=None,
                     help="EAGLE-3 checkpoint folder: adds the eagle3 and ngram+eagle3 modes")
+    ap.add_argument("--dflash", help="also run engine dflash modes with this DFlash checkpoint folder")
+    ap.add_argument("--assistant", help="also run engine gemma4-assistant modes with this Gemma 4 assistant folder")
     ap.add_argument("--random-head", action="store_true", help="also run auto with a randomly initialised MTP head")
     ap.add_argument("--suite", default="chat", help="prompt suite in bench/prompts (chat, code, long, edit; default chat)")
     ap.add_argument("--prompts", type=count(1), default=8, help="prompts from the suite (default 8)")

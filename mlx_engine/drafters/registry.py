@@ -19,6 +19,15 @@ class DrafterOptions:
     draft_vocab_subset: str | None = None  # --drafter draft: safetensors with a 'vocab_subset' id array
     mtp_weights: str | None = None  # --drafter mtp: a head file (default: found beside the model)
     eagle3: str | None = None  # --drafter eagle3: an EAGLE-3 checkpoint folder (HF layout)
+    dflash: str | None = None  # --drafter dflash: a DFlash checkpoint folder (z-lab layout)
+    assistant: str | None = None  # --drafter gemma4-assistant: a Gemma 4 assistant checkpoint folder
+
+    @classmethod
+    def for_kind(cls, kind: str, path: str | None, **kw) -> "DrafterOptions":
+        """Options where one path names the drafter's checkpoint (the chat's one 'draft model' field)."""
+        field_name = {"draft": "draft_model", "eagle3": "eagle3", "dflash": "dflash",
+                      "gemma4-assistant": "assistant"}.get(kind.split("+")[-1])
+        return cls(**({field_name: path} if field_name and path else {}), **kw)
 
 
 def check_same_tokenizer(target_tok, draft_tok, draft_name: str) -> None:
@@ -83,12 +92,38 @@ def _eagle3(opts: DrafterOptions, loaded) -> Drafter:
         raise DrafterError(f"--eagle3: {e}") from None
 
 
+def _dflash(opts: DrafterOptions, loaded) -> Drafter:
+    from .dflash import DFlashDrafter, DFlashError, load_dflash
+
+    if not opts.dflash:
+        raise DrafterError("--drafter dflash needs --dflash PATH (a DFlash checkpoint folder)")
+    try:
+        return DFlashDrafter(load_dflash(opts.dflash), loaded.model)
+    except (DFlashError, OSError, KeyError) as e:
+        raise DrafterError(f"--dflash {opts.dflash}: {e}") from None
+
+
+def _gemma4_assistant(opts: DrafterOptions, loaded) -> Drafter:
+    from .gemma4_assistant import Gemma4AssistantDrafter, load_assistant
+
+    if not opts.assistant:
+        raise DrafterError("--drafter gemma4-assistant needs --assistant PATH (a Gemma 4 assistant checkpoint folder)")
+    try:
+        return Gemma4AssistantDrafter(load_assistant(opts.assistant), loaded.model)
+    except (ValueError, OSError, KeyError) as e:
+        raise DrafterError(f"--assistant {opts.assistant}: {e}") from None
+
+
 BUILDERS: dict[str, Callable[[DrafterOptions, object], Drafter]] = {
     "ngram": _ngram,
     "draft": _draft,
     "mtp": _mtp,
     "eagle3": _eagle3,
+    "dflash": _dflash,
+    "gemma4-assistant": _gemma4_assistant,
 }
+
+
 def _chain(model_kind: str) -> Callable[[DrafterOptions, object], Drafter]:
     def build(opts: DrafterOptions, loaded) -> Drafter:
         from .chain import ChainDrafter
@@ -113,6 +148,8 @@ def make_drafter(kind: str, loaded, opts: DrafterOptions | None = None) -> Draft
         raise DrafterError("--draft-model is only used with --drafter draft")
     if kind != "draft" and opts.draft_vocab_subset:
         raise DrafterError("--draft-vocab-subset is only used with --drafter draft")
-    if "eagle3" not in kind.split("+") and opts.eagle3:
-        raise DrafterError("--eagle3 is only used with --drafter eagle3 (or a chain with eagle3)")
+    for field_name, owner in (("eagle3", "eagle3"), ("dflash", "dflash"), ("assistant", "gemma4-assistant")):
+        if getattr(opts, field_name) and owner not in kind.split("+"):
+            raise DrafterError(f"--{field_name} is only used with --drafter {owner}"
+                               + (" (or a chain with it)" if owner == "eagle3" else ""))
     return None if kind == "none" else BUILDERS[kind](opts, loaded)

@@ -147,6 +147,45 @@ def write_checkpoint(out: Path, head: Eagle3Head, subset: np.ndarray | None, voc
 
 
 # -- training -----------------------------------------------------------------------------------------------
+def _attend(attn, q, keys, values):
+    """Step j's attention: causal over the step-0 keys, then the anchor's own chain keys (diagonal)."""
+    S = q.shape[2]
+    k0, v0 = keys[0], values[0]
+    causal = mx.triu(mx.full((S, S), -mx.inf, dtype=q.dtype), k=1)
+    s0 = (q * attn.scale) @ k0.swapaxes(-1, -2) + causal
+    diag = [((q * attn.scale) * k).sum(-1, keepdims=True) for k in keys[1:]]
+    p = mx.softmax(mx.concatenate([s0, *diag], axis=-1), axis=-1, precise=True)
+    o = p[..., :S] @ v0
+    for i, v in enumerate(values[1:]):
+        o = o + p[..., S + i : S + i + 1] * v
+    return o
+
+
+def unroll(head, f, es) -> list[mx.array]:
+    """Training-time test: the head's draft logits of steps j = 0..D-1 for every anchor slot, [B, S, V']
+    each; f [B, S, 3H] the features of the anchors, es [D, B, S, H] the embeddings of t_{p+j+1}."""
+    mid, attn = head.midlayer, head.midlayer.self_attn
+    B, S, _ = f.shape
+    rep = attn.n_heads // attn.n_kv_heads
+    g = head.fc(f)
+    keys, values, out = [], [], []
+    for j in range(es.shape[0]):
+        gn = mid.hidden_norm(g)
+        x = mx.concatenate([mid.input_layernorm(es[j]), gn], axis=-1)
+        q = attn.q_proj(x).reshape(B, S, attn.n_heads, -1).transpose(0, 2, 1, 3)
+        k = attn.k_proj(x).reshape(B, S, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        v = attn.v_proj(x).reshape(B, S, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        q, k = attn.rope(q, offset=j), attn.rope(k, offset=j)  # step j sits at position p + j
+        keys.append(mx.repeat(k, rep, axis=1))
+        values.append(mx.repeat(v, rep, axis=1))
+        o = _attend(attn, q, keys, values).transpose(0, 2, 1, 3).reshape(B, S, -1)
+        h = (gn if mid.norm_before_residual else g) + attn.o_proj(o)
+        y = h + mid.mlp(mid.post_attention_layernorm(h))
+        out.append(head.lm_head(head.norm(y)))
+        g = y  # the next step chains the head's own pre-norm output (as the drafter does)
+    return out
+
+
 class Eagle3Trainer(mtp.Trainer):
     """train-mtp's Trainer (checkpoint save/load, the loop) with the EAGLE-3 head and training-time test."""
 
@@ -192,46 +231,9 @@ class Eagle3Trainer(mtp.Trainer):
             ms.append(mx.array(ok.astype(np.float32)))
         return f, mx.stack(es), mx.stack(ths), mx.stack(ms)
 
-    def _attend(self, attn, q, keys, values):
-        """Step j's attention: causal over the step-0 keys, then the anchor's own chain keys (diagonal)."""
-        S = q.shape[2]
-        k0, v0 = keys[0], values[0]
-        causal = mx.triu(mx.full((S, S), -mx.inf, dtype=q.dtype), k=1)
-        s0 = (q * attn.scale) @ k0.swapaxes(-1, -2) + causal
-        diag = [((q * attn.scale) * k).sum(-1, keepdims=True) for k in keys[1:]]
-        p = mx.softmax(mx.concatenate([s0, *diag], axis=-1), axis=-1, precise=True)
-        o = p[..., :S] @ v0
-        for i, v in enumerate(values[1:]):
-            o = o + p[..., S + i : S + i + 1] * v
-        return o
-
-    def unroll(self, head, f, es) -> list[mx.array]:
-        """Training-time test: the head's draft logits of steps j = 0..D-1 for every anchor slot, [B, S, V']
-        each; f [B, S, 3H] the features of the anchors, es [D, B, S, H] the embeddings of t_{p+j+1}."""
-        mid, attn = head.midlayer, head.midlayer.self_attn
-        B, S, _ = f.shape
-        rep = attn.n_heads // attn.n_kv_heads
-        g = head.fc(f)
-        keys, values, out = [], [], []
-        for j in range(es.shape[0]):
-            gn = mid.hidden_norm(g)
-            x = mx.concatenate([mid.input_layernorm(es[j]), gn], axis=-1)
-            q = attn.q_proj(x).reshape(B, S, attn.n_heads, -1).transpose(0, 2, 1, 3)
-            k = attn.k_proj(x).reshape(B, S, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
-            v = attn.v_proj(x).reshape(B, S, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
-            q, k = attn.rope(q, offset=j), attn.rope(k, offset=j)  # step j sits at position p + j
-            keys.append(mx.repeat(k, rep, axis=1))
-            values.append(mx.repeat(v, rep, axis=1))
-            o = self._attend(attn, q, keys, values).transpose(0, 2, 1, 3).reshape(B, S, -1)
-            h = (gn if mid.norm_before_residual else g) + attn.o_proj(o)
-            y = h + mid.mlp(mid.post_attention_layernorm(h))
-            out.append(head.lm_head(head.norm(y)))
-            g = y  # the next step chains the head's own pre-norm output (as the drafter does)
-        return out
-
     def _loss(self, head, f, es, ths, ms, W):
         total, agree0, weight_sum = mx.array(0.0), mx.array(0.0), 0.0
-        for j, s in enumerate(self.unroll(head, f, es)):
+        for j, s in enumerate(unroll(head, f, es)):
             t = mx.stop_gradient(ths[j] @ W.T)
             logp = t - mx.logsumexp(t, axis=-1, keepdims=True)
             logq = s - mx.logsumexp(s, axis=-1, keepdims=True)

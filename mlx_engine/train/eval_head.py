@@ -1,4 +1,4 @@
-"""Measure a trained head (MTP or EAGLE-3, or any drafter kind) on held-out prompts
+"""Measure a trained head (MTP, EAGLE-3, DFlash, or any drafter kind) on held-out prompts
 (mlx_engine/train/data/prompts_eval.jsonl) with the engine.
 
     python -m mlx_engine.train.eval_head [--drafter mtp|eagle3|ngram+mtp|...] [--head mtp.safetensors]
@@ -23,8 +23,9 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--model", default=None)
     p.add_argument("--head", default=None, help="MTP head file (default: the one next to the model)")
-    p.add_argument("--drafter", default="mtp", help="drafter kind (drafters/registry.py): mtp, eagle3, ngram+mtp, ...")
+    p.add_argument("--drafter", default="mtp", help="drafter kind (drafters/registry.py): mtp, eagle3, dflash, ngram+mtp, ...")
     p.add_argument("--eagle3", default=None, help="EAGLE-3 checkpoint folder for --drafter eagle3 / ngram+eagle3")
+    p.add_argument("--dflash", default=None, help="DFlash checkpoint folder for --drafter dflash")
     p.add_argument("--temp", type=float, default=0.0, help="sampling temperature (> 0: lossless in distribution only)")
     p.add_argument("--prompts", default=str(DATA / "prompts_eval.jsonl"))
     p.add_argument("--ks", default="1,2,3")
@@ -40,7 +41,7 @@ def main(argv=None) -> int:
 
     path = a.model or str(default_model_path())
     m = load(path)
-    drafter = make_drafter(a.drafter, m, DrafterOptions(mtp_weights=a.head, eagle3=a.eagle3))
+    drafter = make_drafter(a.drafter, m, DrafterOptions(mtp_weights=a.head, eagle3=a.eagle3, dflash=a.dflash))
     sub = getattr(drafter, "vocab_subset", None)
     print(f"drafter {a.drafter}: draft vocabulary {'full' if sub is None else sub.size}", flush=True)
     sampling = SamplingConfig(temperature=a.temp)
