@@ -176,20 +176,3 @@ def test_bad_checkpoints_are_refused(tmp_path):
     with pytest.raises(DFlashError, match="layer 7"):
         DFlashDrafter(load_dflash(tmp_path / "deep"), target())
 
-
-def test_registry_builds_it(root):
-    """The one factory (CLI, chat, bench, server): --drafter dflash --dflash PATH."""
-    from types import SimpleNamespace
-
-    from mlx_engine.drafters.registry import KINDS, DrafterError, DrafterOptions, make_drafter
-
-    assert "dflash" in KINDS
-    loaded = SimpleNamespace(model=target())
-    drafter = make_drafter("dflash", loaded, DrafterOptions(dflash=str(checkpoint(root, "full")[0])))
-    assert isinstance(drafter, DFlashDrafter) and drafter.name == "dflash"
-    with pytest.raises(DrafterError, match="needs --dflash"):
-        make_drafter("dflash", loaded)
-    with pytest.raises(DrafterError, match="only used with --drafter dflash"):
-        make_drafter("ngram", loaded, DrafterOptions(dflash="x"))
-    with pytest.raises(DrafterError, match="no config.json"):
-        make_drafter("dflash", loaded, DrafterOptions(dflash=str(root / "missing")))

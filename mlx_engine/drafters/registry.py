@@ -18,7 +18,6 @@ class DrafterOptions:
     draft_model: str | None = None  # --drafter draft: a model with the target's tokenizer
     draft_vocab_subset: str | None = None  # --drafter draft: safetensors with a 'vocab_subset' id array
     mtp_weights: str | None = None  # --drafter mtp: a head file (default: found beside the model)
-    dflash: str | None = None  # --drafter dflash: a DFlash checkpoint folder (z-lab's layout)
 
 
 def check_same_tokenizer(target_tok, draft_tok, draft_name: str) -> None:
@@ -72,22 +71,10 @@ def _mtp(opts: DrafterOptions, loaded) -> Drafter:
     return load_mtp_drafter(loaded.model, loaded.path, loaded.config, mtp_weights=opts.mtp_weights)
 
 
-def _dflash(opts: DrafterOptions, loaded) -> Drafter:
-    from .dflash import DFlashDrafter, load_dflash
-
-    if not opts.dflash:
-        raise DrafterError("--drafter dflash needs --dflash PATH (a DFlash checkpoint folder)")
-    try:
-        return DFlashDrafter(load_dflash(opts.dflash), loaded.model)
-    except (OSError, ValueError) as e:
-        raise DrafterError(f"--dflash {opts.dflash}: {e}") from None
-
-
 BUILDERS: dict[str, Callable[[DrafterOptions, object], Drafter]] = {
     "ngram": _ngram,
     "draft": _draft,
     "mtp": _mtp,
-    "dflash": _dflash,
 }
 KINDS = ("none", *BUILDERS)
 
@@ -101,6 +88,4 @@ def make_drafter(kind: str, loaded, opts: DrafterOptions | None = None) -> Draft
         raise DrafterError("--draft-model is only used with --drafter draft")
     if kind != "draft" and opts.draft_vocab_subset:
         raise DrafterError("--draft-vocab-subset is only used with --drafter draft")
-    if kind != "dflash" and opts.dflash:
-        raise DrafterError("--dflash is only used with --drafter dflash")
     return None if kind == "none" else BUILDERS[kind](opts, loaded)
