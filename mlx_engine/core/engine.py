@@ -282,6 +282,8 @@ class Engine:
         self._history.append(first)
         self._last, self._replay = first, []
         if self.drafter is not None:
+            if getattr(self.drafter, "reads_target_cache", False):  # Gemma 4's assistant: a read-only view
+                self.drafter.attach_target_cache(self.cache)
             self.drafter.begin(list(self._history), hidden)
         self.stats.generated = 1
         self.stats.prompt_time = time.perf_counter() - t0
@@ -295,6 +297,8 @@ class Engine:
 
     def _propose(self, k: int, sampling: SamplingConfig, key: mx.array, profile: bool) -> Draft:
         """The drafter's k tokens (lazy); the device starts on them while Python builds the verify graph."""
+        if getattr(self.drafter, "reads_target_cache", False):
+            self._feed_replay(hidden_request(self.drafter))  # it drafts from the cache of the whole prefix
         draft = self.drafter.propose(k, sampling, key)
         host.start(draft.tokens)
         if profile:
@@ -305,10 +309,7 @@ class Engine:
 
     def _verify(self, draft: Draft, want_hidden: HiddenRequest | None, profile: bool):
         """Score [last, d_1..d_k] in one target pass after a cache checkpoint. -> (ckpt, logits [k+1, V], hidden)."""
-        if self._replay:  # fed in a pass of their own so the checkpoint below comes after them
-            _, h = self.target.forward(mx.array(self._replay, dtype=mx.int32), self.cache, want_hidden)
-            self._fed(self._replay, h)
-            self._replay = []
+        self._feed_replay(want_hidden)
         k = draft.tokens.shape[0]
         inputs = mx.concatenate([mx.array([self._last], dtype=mx.int32), draft.tokens])
         ckpt = cache_ops.checkpoint(self.cache, inputs.shape[0])
@@ -319,6 +320,14 @@ class Engine:
             host.wait(logits)
             self.stats.time_verify += time.perf_counter() - t
         return ckpt, logits, hidden
+
+    def _feed_replay(self, want_hidden: HiddenRequest | None) -> None:
+        """Feed the kept tokens a snapshot rollback handed back, in a pass of their own (so the next
+        checkpoint comes after them; a drafter reading the target cache sees them before it drafts)."""
+        if self._replay:
+            _, h = self.target.forward(mx.array(self._replay, dtype=mx.int32), self.cache, want_hidden)
+            self._fed(self._replay, h)
+            self._replay = []
 
     def _accept(self, logits, draft: Draft, sampling: SamplingConfig, profile: bool):
         """The acceptance rule on device, then the cycle's one host read.

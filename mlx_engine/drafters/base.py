@@ -33,6 +33,8 @@ class Drafter(Protocol):
     name: str
     needs_hidden: bool  # wants target hidden states in begin/commit (which: `hidden_request`)
     # optional: `hidden_request: HiddenRequest` (default FINAL_HIDDEN when needs_hidden)
+    # optional: `reads_target_cache = True` + `attach_target_cache(cache)`: the engine hands over its target
+    # cache after prefill (a read-only view; the engine feeds any replayed tokens before `propose`)
 
     def begin(self, tokens: list[int], hidden: mx.array | None) -> None:
         """Start a sequence. `tokens`: committed so far (prompt + first sampled token).
