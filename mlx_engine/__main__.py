@@ -19,7 +19,15 @@ def main(argv: list[str] | None = None) -> int:
     conv.add_argument("--mtp-bits", type=int, default=8,
                       help="bits for the MTP head when quantizing (default 8; 0 keeps it float)")
     sub.add_parser("train-mtp", help="train an MTP head for a model that ships none (see --help)", add_help=False)
+    sub.add_parser("train-dflash", help="train a DFlash block drafter for a model (see --help)", add_help=False)
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["train-dflash"]:
+        from .train.dflash import main as train_dflash
+
+        try:
+            return train_dflash(argv[1:])
+        except KeyboardInterrupt:
+            return interrupted()
     if argv[:1] == ["train-mtp"]:
         from .train.mtp import main as train_main
 
