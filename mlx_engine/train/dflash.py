@@ -22,8 +22,8 @@ Output: DIR/config.json + DIR/model.safetensors, a DFlash checkpoint: `--drafter
 
 from __future__ import annotations
 
+import hashlib
 import json
-import math
 import time
 from pathlib import Path
 
@@ -119,6 +119,24 @@ def block_forward(model: DFlashModel, feats, ctx_pos, emb, blk_pos, mask, base: 
         h = h + a.o_proj(o.transpose(0, 2, 1, 3).reshape(S, R, -1))
         h = h + layer.mlp(layer.post_attention_layernorm(h))
     return model.norm(h)
+
+
+def cached_features(out: Path, target, rows, layer_ids, src: str) -> list[np.ndarray]:
+    """encode(), kept in OUT/features.safetensors for a rerun on the same sequences and layers."""
+    path = out / "features.safetensors"
+    sig = hashlib.sha1(json.dumps([src, list(layer_ids), rows]).encode()).hexdigest()
+    offsets = np.cumsum([0] + [len(r) for r in rows])
+    if path.is_file():
+        w, meta = mx.load(str(path), return_metadata=True)
+        if meta.get("signature") == sig:
+            h = np.array(w["features"])
+            log(f"features of {len(rows)} sequences read from {path}")
+            return [h[a:b] for a, b in zip(offsets[:-1], offsets[1:])]
+    log(f"encoding {len(rows)} sequences ({offsets[-1]} tokens) with target layers {tuple(layer_ids)}")
+    feats = encode(target, rows, layer_ids)
+    out.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(path), {"features": mx.array(np.concatenate(feats))}, metadata={"signature": sig})
+    return feats
 
 
 def make_batch(rng, data, idx, seq_len: int, anchors: int, B: int, mask_id: int, sub_index: np.ndarray):
@@ -252,6 +270,7 @@ def _parser() -> ArgumentParser:
     p.add_argument("--warmup", type=count(0), default=20)
     p.add_argument("--clip", type=finite(0.0), default=1.0)
     p.add_argument("--vocab-subset", type=count(0), default=8192, help="training softmax over N tokens (0 = all)")
+    p.add_argument("--max-sequences", type=count(0), default=0, help="use the first N corpus sequences (0 = all)")
     p.add_argument("--heldout", type=finite(0.0), default=0.05, help="fraction of sequences held out for eval")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-every", type=count(1), default=10)
@@ -301,8 +320,9 @@ def main(argv=None) -> int:
     if not rows:
         log("error: the corpus has no sequence long enough")
         return 2
-    log(f"encoding {len(rows)} sequences ({sum(map(len, rows))} tokens) with target layers {layer_ids}")
-    feats = encode(target, rows, layer_ids)
+    if args.max_sequences:
+        rows, starts = rows[: args.max_sequences], starts[: args.max_sequences]
+    feats = cached_features(Path(args.out), target, rows, layer_ids, src)
     data = [(np.array(r, np.int64), h, s) for r, h, s in zip(rows, feats, starts)]
     n_eval = max(1, int(len(data) * args.heldout))
     order = np.random.default_rng(args.seed).permutation(len(data))
