@@ -122,8 +122,8 @@ def block_forward(model: DFlashModel, feats, ctx_pos, emb, blk_pos, mask, base: 
 
 
 def cached_features(out: Path, target, rows, layer_ids, src: str) -> list[np.ndarray]:
-    """encode(), kept in OUT/features.safetensors for a rerun on the same sequences and layers."""
-    path = out / "features.safetensors"
+    """encode(), kept in OUT/cache/features.safetensors for a rerun on the same sequences and layers."""
+    path = out / "cache" / "features.safetensors"  # not beside the checkpoint's own safetensors
     sig = hashlib.sha1(json.dumps([src, list(layer_ids), rows]).encode()).hexdigest()
     offsets = np.cumsum([0] + [len(r) for r in rows])
     if path.is_file():
@@ -134,7 +134,7 @@ def cached_features(out: Path, target, rows, layer_ids, src: str) -> list[np.nda
             return [h[a:b] for a, b in zip(offsets[:-1], offsets[1:])]
     log(f"encoding {len(rows)} sequences ({offsets[-1]} tokens) with target layers {tuple(layer_ids)}")
     feats = encode(target, rows, layer_ids)
-    out.mkdir(parents=True, exist_ok=True)
+    path.parent.mkdir(parents=True, exist_ok=True)
     mx.save_safetensors(str(path), {"features": mx.array(np.concatenate(feats))}, metadata={"signature": sig})
     return feats
 
