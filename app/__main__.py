@@ -41,6 +41,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--model", help="hub id, local folder or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--drafter", choices=DRAFTERS, help="how drafts are made (default: saved setting, else mtp, falling back to ngram)")
     p.add_argument("--draft-model", help="the draft model for --drafter draft (same tokenizer as the target)")
+    p.add_argument("--dflash", help="DFlash checkpoint folder (implies --drafter dflash)")
+    p.add_argument("--assistant", help="Gemma 4 assistant checkpoint folder (implies --drafter gemma4-assistant)")
     p.add_argument("--num-draft", type=num_draft_arg,
                    help="tokens drafted per cycle (1..16), or 'auto' (default: saved setting, else auto)")
     p.add_argument("--temp", type=temp_arg, help="sampling temperature (default: saved setting, else 0 = greedy)")
@@ -54,6 +56,11 @@ def build_app(argv=None):
     from .app import AppOptions, ChatApp
 
     args = parser().parse_args(argv)
+    for flag, kind in (("dflash", "dflash"), ("assistant", "gemma4-assistant")):  # one path field per drafter
+        if getattr(args, flag):
+            if args.draft_model or (args.drafter not in (None, kind)):
+                parser().error(f"--{flag} goes with --drafter {kind} only (and without --draft-model)")
+            args.drafter, args.draft_model = kind, getattr(args, flag)
     settings = Settings() if args.reset else Settings.load(settings_path())
     given = {"drafter": args.drafter or (args.draft_model and "draft"), "draft_model": args.draft_model,
              "num_draft": args.num_draft, "temperature": args.temp, "max_tokens": args.max_tokens}

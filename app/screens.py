@@ -46,7 +46,7 @@ class OpenModelScreen(ModalScreen[LoadRequest | None]):
             yield Input(value=self.model or "", placeholder="e.g. mlx-community/Qwen3-0.6B-4bit", id="open-model")
             yield Label("Drafter")
             yield Select([(d, d) for d in DRAFTERS], value=self.drafter, allow_blank=False, id="open-drafter")
-            yield Label("Draft model (for the 'draft' drafter)")
+            yield Label("Draft model (draft) or checkpoint folder (dflash, gemma4-assistant)")
             yield Input(value=self.draft_model or "", placeholder="path or hub id", id="open-draft-model")
             with Horizontal(id="open-buttons"):
                 yield Button("Load", variant="primary", id="open-load")

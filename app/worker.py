@@ -274,7 +274,8 @@ class EngineWorker:
         self.post(ModelLoaded(name, drafter.name if drafter is not None else "none", info, warning))
 
     def _make_drafter(self, req: LoadRequest, loaded, engine: Engine):
-        return make_drafter(req.drafter, loaded, DrafterOptions(draft_model=req.draft_model))
+        # one path field: the draft model, the DFlash checkpoint or the Gemma 4 assistant, by kind
+        return make_drafter(req.drafter, loaded, DrafterOptions.for_kind(req.drafter, req.draft_model))
 
     def _live_mode(self) -> str:
         with self._lock:

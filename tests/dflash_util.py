@@ -65,6 +65,23 @@ def write_dflash(path: Path, hidden: int, vocab: int, seed: int = 7, **kw) -> tu
     return cfg, w
 
 
+def config(vocab: int, hidden: int, ids=(0, 2), block_size: int = 5, mask_token_id: int | None = None,
+           sliding: bool = False) -> dict:
+    """The same config by the other call shape the CLI / trainer tests use (mask token: the last id)."""
+    kw = dict(layer_types=("sliding_attention", "full_attention"), sliding_window=4) if sliding else {}
+    return dflash_config(hidden, vocab, layer_ids=ids, block_size=block_size,
+                         mask_token_id=vocab - 1 if mask_token_id is None else mask_token_id, **kw)
+
+
+def write(path: Path, cfg: dict, seed: int = 3) -> dict[str, np.ndarray]:
+    """Write a given config + random tensors; -> tensors."""
+    path.mkdir(parents=True, exist_ok=True)
+    w = dflash_tensors(cfg, seed)
+    (path / "config.json").write_text(json.dumps(cfg))
+    mx.save_safetensors(str(path / "model.safetensors"), {k: mx.array(v) for k, v in w.items()})
+    return w
+
+
 # -- the numpy reference ---------------------------------------------------------------------------------
 def _rms(x, w, eps=1e-6):
     return x / np.sqrt((x.astype(np.float64) ** 2).mean(-1, keepdims=True) + eps) * w

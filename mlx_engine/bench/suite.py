@@ -96,7 +96,8 @@ def load_prompts(suite: str, n: int, tokenizer) -> list[list[int]]:
     return [list(tokenizer.apply_chat_template(r["messages"], add_generation_prompt=True)) for r in rows]
 
 
-def build_modes(args, model, draft_model, mtp, random_mtp) -> list[Mode]:
+def build_modes(args, model, draft_model, mtp, random_mtp, extra=None) -> list[Mode]:
+    """extra: more drafter kinds by name -> a factory (--dflash, --assistant)."""
     ks = args.ks
     modes = [Mode("mlx-lm plain", lambda p, n, t, s: run_mlx_lm(model, p, n, t, s), "mlx-lm")]
     for k in ks:
@@ -119,6 +120,7 @@ def build_modes(args, model, draft_model, mtp, random_mtp) -> list[Mode]:
                 "ngram": NgramDrafter}
     if mtp is not None:
         drafters["mtp"] = mtp
+    drafters.update(extra or {})
     for name, make in drafters.items():
         for k in ks:
             modes.append(engine_mode(f"engine {name} k={k}", make(), k))
@@ -203,6 +205,8 @@ def parser() -> ArgumentParser:
                     help="engine draft modes score only the token ids of this file's 'vocab_subset' array (e.g. the "
                          "MTP head file); mlx-lm's draft modes always score the full vocabulary")
     ap.add_argument("--mtp-weights", help="MTP head file (default: found next to the model)")
+    ap.add_argument("--dflash", help="also run engine dflash modes with this DFlash checkpoint folder")
+    ap.add_argument("--assistant", help="also run engine gemma4-assistant modes with this Gemma 4 assistant folder")
     ap.add_argument("--random-head", action="store_true", help="also run auto with a randomly initialised MTP head")
     ap.add_argument("--suite", default="chat", help="prompt suite in bench/prompts (chat, code, long; default chat)")
     ap.add_argument("--prompts", type=count(1), default=8, help="prompts from the suite (default 8)")
@@ -263,8 +267,19 @@ def run(args, argv) -> int:
             raise BenchInputError(str(e)) from None
         print(f"note: no MTP modes ({e})", file=sys.stderr)
 
+    extra = {}
+    for kind, path in (("dflash", args.dflash), ("gemma4-assistant", args.assistant)):
+        if path:
+            from ..drafters.registry import DrafterError, DrafterOptions, make_drafter
+
+            opts = DrafterOptions.for_kind(kind, path)
+            try:
+                make_drafter(kind, loaded, opts)  # fail before timing anything
+            except DrafterError as e:
+                raise BenchInputError(str(e)) from None
+            extra[kind] = lambda kind=kind, opts=opts: make_drafter(kind, loaded, opts)
     prompts = load_prompts(args.suite, args.prompts, tok)
-    modes = build_modes(args, model, draft_model, mtp, random_mtp)
+    modes = build_modes(args, model, draft_model, mtp, random_mtp, extra)
     temps = args.temps
     out = Path(args.out) if args.out else default_out()
     results = {(m.name, t): [] for m in modes for t in temps}

@@ -34,6 +34,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import KVCache
 from mlx_lm.models.rope_utils import initialize_rope
 
+from .. import host
 from ..sampling import SamplingConfig, choose
 from ..target.hidden import HiddenRequest
 from .base import Draft, Verdict
@@ -196,7 +197,7 @@ def load_dflash(path) -> DFlashModel:
     except ValueError as e:
         raise DFlashError(f"{path}: {e}") from None
     model.eval()
-    mx.eval(model.parameters())
+    host.wait(model.parameters())  # load time, not the loop
     return model
 
 
@@ -216,6 +217,9 @@ class DFlashDrafter:
                 raise DFlashError(f"the drafter reads target layer {i}; the target has {n} layers")
         if not 0 <= s["mask_token_id"] < self.target.vocab_size:
             raise DFlashError(f"mask token {s['mask_token_id']} is outside the target's vocabulary")
+        dtype = self.target.embed_tokens.weight.dtype
+        if mx.issubdtype(dtype, mx.floating):  # e.g. a bf16 checkpoint for an fp32 target: one dtype
+            model.set_dtype(dtype)
         self.hidden_request = HiddenRequest(layers=s["target_layer_ids"], final=False)
         self.block_size = s["block_size"]
         self.cache: list = []

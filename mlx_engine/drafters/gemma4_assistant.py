@@ -32,6 +32,7 @@ import mlx.nn as nn
 from mlx_lm.models import gemma4_text as g4
 from mlx_lm.models.cache import RotatingKVCache
 
+from .. import host
 from ..sampling import SamplingConfig, choose
 from ..target.hidden import FINAL_HIDDEN
 from .base import Draft, Verdict
@@ -143,7 +144,7 @@ def load_assistant(path) -> Gemma4Assistant:
         nn.quantize(model, q["group_size"], q["bits"], class_predicate=lambda p, m: f"{p}.scales" in weights)
     model.load_weights(list(weights.items()), strict=True)
     model.eval()
-    mx.eval(model.parameters())
+    host.wait(model.parameters())  # load time, not the loop
     return model
 
 

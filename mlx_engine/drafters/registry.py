@@ -18,6 +18,14 @@ class DrafterOptions:
     draft_model: str | None = None  # --drafter draft: a model with the target's tokenizer
     draft_vocab_subset: str | None = None  # --drafter draft: safetensors with a 'vocab_subset' id array
     mtp_weights: str | None = None  # --drafter mtp: a head file (default: found beside the model)
+    dflash: str | None = None  # --drafter dflash: a DFlash checkpoint folder (z-lab layout)
+    assistant: str | None = None  # --drafter gemma4-assistant: a Gemma 4 assistant checkpoint folder
+
+    @classmethod
+    def for_kind(cls, kind: str, path: str | None, **kw) -> "DrafterOptions":
+        """Options where one path names the drafter's checkpoint (the chat's one 'draft model' field)."""
+        field_name = {"draft": "draft_model", "dflash": "dflash", "gemma4-assistant": "assistant"}.get(kind)
+        return cls(**({field_name: path} if field_name and path else {}), **kw)
 
 
 def check_same_tokenizer(target_tok, draft_tok, draft_name: str) -> None:
@@ -71,10 +79,34 @@ def _mtp(opts: DrafterOptions, loaded) -> Drafter:
     return load_mtp_drafter(loaded.model, loaded.path, loaded.config, mtp_weights=opts.mtp_weights)
 
 
+def _dflash(opts: DrafterOptions, loaded) -> Drafter:
+    from .dflash import DFlashDrafter, DFlashError, load_dflash
+
+    if not opts.dflash:
+        raise DrafterError("--drafter dflash needs --dflash PATH (a DFlash checkpoint folder)")
+    try:
+        return DFlashDrafter(load_dflash(opts.dflash), loaded.model)
+    except (DFlashError, OSError, KeyError) as e:
+        raise DrafterError(f"--dflash {opts.dflash}: {e}") from None
+
+
+def _gemma4_assistant(opts: DrafterOptions, loaded) -> Drafter:
+    from .gemma4_assistant import Gemma4AssistantDrafter, load_assistant
+
+    if not opts.assistant:
+        raise DrafterError("--drafter gemma4-assistant needs --assistant PATH (a Gemma 4 assistant checkpoint folder)")
+    try:
+        return Gemma4AssistantDrafter(load_assistant(opts.assistant), loaded.model)
+    except (ValueError, OSError, KeyError) as e:
+        raise DrafterError(f"--assistant {opts.assistant}: {e}") from None
+
+
 BUILDERS: dict[str, Callable[[DrafterOptions, object], Drafter]] = {
     "ngram": _ngram,
     "draft": _draft,
     "mtp": _mtp,
+    "dflash": _dflash,
+    "gemma4-assistant": _gemma4_assistant,
 }
 KINDS = ("none", *BUILDERS)
 
@@ -88,4 +120,8 @@ def make_drafter(kind: str, loaded, opts: DrafterOptions | None = None) -> Draft
         raise DrafterError("--draft-model is only used with --drafter draft")
     if kind != "draft" and opts.draft_vocab_subset:
         raise DrafterError("--draft-vocab-subset is only used with --drafter draft")
+    if kind != "dflash" and opts.dflash:
+        raise DrafterError("--dflash is only used with --drafter dflash")
+    if kind != "gemma4-assistant" and opts.assistant:
+        raise DrafterError("--assistant is only used with --drafter gemma4-assistant")
     return None if kind == "none" else BUILDERS[kind](opts, loaded)

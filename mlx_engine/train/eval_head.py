@@ -1,4 +1,4 @@
-"""Measure a trained MTP head on held-out prompts (mlx_engine/train/data/prompts_eval.jsonl) with the engine.
+"""Measure a trained MTP head (or `--dflash DIR`, a DFlash drafter) on held-out prompts (mlx_engine/train/data/prompts_eval.jsonl) with the engine.
 
     python -m mlx_engine.train.eval_head [--head mlx_engine/heads/smollm2-135m-instruct/mtp.safetensors]
         [--ks 1,2,3] [--max-tokens 96] [--out results.json]
@@ -22,6 +22,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--model", default=None)
     p.add_argument("--head", default=None, help="head file (default: the one next to the model)")
+    p.add_argument("--dflash", default=None, help="measure this DFlash checkpoint folder instead of an MTP head")
     p.add_argument("--prompts", default=str(DATA / "prompts_eval.jsonl"))
     p.add_argument("--ks", default="1,2,3")
     p.add_argument("--max-tokens", type=int, default=96)
@@ -36,9 +37,15 @@ def main(argv=None) -> int:
 
     path = a.model or str(default_model_path())
     m = load(path)
-    drafter = load_mtp_drafter(m.model, m.path, m.config, mtp_weights=a.head)
-    sub = drafter.vocab_subset
-    print(f"head: family {drafter.family}, draft vocabulary {'full' if sub is None else sub.size}", flush=True)
+    if a.dflash:
+        from mlx_engine.drafters.dflash import DFlashDrafter, load_dflash
+
+        drafter, sub = DFlashDrafter(load_dflash(a.dflash), m.model), None
+        print(f"dflash: block {drafter.block_size}, layers {drafter.hidden_request.layers}", flush=True)
+    else:
+        drafter = load_mtp_drafter(m.model, m.path, m.config, mtp_weights=a.head)
+        sub = drafter.vocab_subset
+        print(f"head: family {drafter.family}, draft vocabulary {'full' if sub is None else sub.size}", flush=True)
     prompts = [json.loads(x)["prompt"] for x in open(a.prompts) if x.strip()]
     if a.limit:
         prompts = prompts[: a.limit]
