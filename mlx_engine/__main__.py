@@ -18,18 +18,21 @@ def main(argv: list[str] | None = None) -> int:
     conv.add_argument("--q-group-size", type=int, default=64, help="quantization group size (default 64)")
     conv.add_argument("--mtp-bits", type=int, default=8,
                       help="bits for the MTP head when quantizing (default 8; 0 keeps it float)")
+    from .serve.main import add_serve_args
+
+    add_serve_args(sub.add_parser("serve", help="an OpenAI-compatible HTTP server with speculative decoding, "
+                                                "several clients decoded together (see --help)"))
     sub.add_parser("train-mtp", help="train an MTP head for a model that ships none (see --help)", add_help=False)
+    sub.add_parser("train-eagle3", help="train an EAGLE-3 head for a model (see --help)", add_help=False)
     sub.add_parser("train-dflash", help="train a DFlash block drafter for a model (see --help)", add_help=False)
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["train-dflash"]:
-        from .train.dflash import main as train_dflash
-
-        try:
-            return train_dflash(argv[1:])
-        except KeyboardInterrupt:
-            return interrupted()
-    if argv[:1] == ["train-mtp"]:
-        from .train.mtp import main as train_main
+    if argv[:1] in (["train-mtp"], ["train-eagle3"], ["train-dflash"]):
+        if argv[0] == "train-mtp":
+            from .train.mtp import main as train_main
+        elif argv[0] == "train-eagle3":
+            from .train.eagle3 import main as train_main
+        else:
+            from .train.dflash import main as train_main
 
         try:
             return train_main(argv[1:])
@@ -44,6 +47,10 @@ def main(argv: list[str] | None = None) -> int:
             return cli.run_generate(args)
         if args.command == "convert":
             return cli.run_convert(args)
+        if args.command == "serve":
+            from .serve.main import run_serve
+
+            return run_serve(args)
     except cli.ERRORS as e:
         return cli.report_error(e)
     except KeyboardInterrupt:  # Ctrl-C: what was generated stays printed; no traceback

@@ -30,6 +30,8 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mtp-weights",
                    help="safetensors file with the MTP head, or a GGUF with llama.cpp's nextn tensors (GLM-4.x), "
                         "for --drafter mtp (default: the head next to the model, or the one shipped for it)")
+    p.add_argument("--eagle3", metavar="PATH",
+                   help="EAGLE-3 checkpoint folder (config.json + safetensors, Hugging Face layout) for --drafter eagle3")
     p.add_argument("--dflash", help="DFlash checkpoint folder (z-lab layout) for --drafter dflash")
     p.add_argument("--assistant", help="Gemma 4 assistant checkpoint folder for --drafter gemma4-assistant "
                                        "(the target must be a Gemma 4 model)")
@@ -87,8 +89,8 @@ def encode_prompt(tokenizer, text: str, chat_template: bool) -> list[int]:
 
 def make_drafter(args, target: LoadedModel):
     opts = DrafterOptions(draft_model=args.draft_model, draft_vocab_subset=getattr(args, "draft_vocab_subset", None),
-                          mtp_weights=getattr(args, "mtp_weights", None), dflash=getattr(args, "dflash", None),
-                          assistant=getattr(args, "assistant", None))
+                          mtp_weights=getattr(args, "mtp_weights", None), eagle3=getattr(args, "eagle3", None),
+                          dflash=getattr(args, "dflash", None), assistant=getattr(args, "assistant", None))
     try:
         return registry.make_drafter(args.drafter, target, opts)
     except DrafterError as e:

@@ -81,3 +81,43 @@ def test_bench_verify_reports_stock_invariance():
 
     lines = report()  # whether stock MLX is invariant here is the device's business: reported, not asserted
     assert len(lines) == 2 and all("batch invariant" in line for line in lines)
+
+
+def test_edit_suite_is_well_formed():
+    """bench/prompts/edit.jsonl: >= 10 requests to rewrite a given piece of code or text with a small change."""
+    from mlx_engine.bench.suite import suite_file
+
+    rows = [json.loads(line) for line in suite_file("edit").read_text().splitlines() if line.strip()]
+    assert len(rows) >= 10
+    assert [r["id"] for r in rows] == [f"edit-{i:03d}" for i in range(1, len(rows) + 1)]
+    for r in rows:
+        (msg,) = r["messages"]
+        assert msg["role"] == "user"
+        request, _, given = msg["content"].partition("\n\n")
+        assert len(given.split()) >= 20, r["id"]  # the piece to rewrite is in the prompt
+
+
+def test_bench_runs_the_registry_chains_and_eagle3_on_the_edit_suite(tmp_path):
+    from eagle3_writer import write_eagle3
+
+    model = model_dirs.save_tiny(tmp_path / "tiny", seed=1, num_hidden_layers=6)
+    cfg = json.loads((model / "config.json").read_text())
+    head = tmp_path / "eagle3"
+    write_eagle3(head, cfg, seed=3, draft_vocab=64)
+    out = tmp_path / "r.json"
+    rc = main(["--model", str(model), "--suite", "edit", "--prompts", "2", "--max-tokens", "6", "--trials", "1",
+               "--temps", "0,0.7", "--ks", "2", "--eagle3", str(head), "--modes", "eagle3", "--warmup-prompts", "1",
+               "--out", str(out)])
+    assert rc == 0
+    rows = json.loads(out.read_text())["results"]
+    assert {r["mode"] for r in rows} == {"engine plain", "engine eagle3 k=2", "engine eagle3 auto",
+                                         "engine ngram+eagle3 k=2", "engine ngram+eagle3 auto"}
+    assert all(r["tokens"] > 0 and r["speedup_vs_engine_plain"] > 0 for r in rows)
+
+
+def test_bench_eagle3_bad_path_is_one_error_line(tmp_path, capsys):
+    model = model_dirs.save_tiny(tmp_path / "tiny", seed=1, num_hidden_layers=6)
+    assert main(["--model", str(model), "--draft-model", "layers:1", "--eagle3", str(tmp_path / "nope"),
+                 "--out", str(tmp_path / "r.json")]) == 2
+    err = [line for line in capsys.readouterr().err.strip().splitlines() if not line.startswith("note: ")]
+    assert len(err) == 1 and err[0].startswith("error: ") and "nope" in err[0], err

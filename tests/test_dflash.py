@@ -176,3 +176,20 @@ def test_bad_checkpoints_are_refused(tmp_path):
     with pytest.raises(DFlashError, match="layer 7"):
         DFlashDrafter(load_dflash(tmp_path / "deep"), target())
 
+def test_continuous_batching_equals_each_request_alone(root):
+    """The server's batch engine: each sequence drafts with its own DFlash state; outputs == plain greedy."""
+    from mlx_engine.core.batch_engine import BatchEngine
+
+    path, _, _ = checkpoint(root, "full")
+    model = target()
+    engine = BatchEngine(model, DFlashDrafter(load_dflash(path), model), num_draft=3)
+    assert engine.supported is None
+    prompts = {"a": PROMPT, "b": PROMPT[:5]}
+    for sid, p in prompts.items():
+        engine.add(sid, p, 24)
+    out = {sid: [] for sid in prompts}
+    while engine.seqs or engine._pending:
+        for o in engine.step():
+            out[o.seq_id] += o.tokens
+    for sid, p in prompts.items():
+        assert out[sid] == mlx_lm_greedy(model, p, 24)

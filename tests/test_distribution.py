@@ -35,15 +35,15 @@ def chi_square_p_value(observed: np.ndarray, expected: np.ndarray) -> float:
     return 0.5 * math.erfc(z / math.sqrt(2))
 
 
-def exact_joint(model, cfg: SamplingConfig) -> np.ndarray:
+def exact_joint(model, cfg: SamplingConfig, prompt: list[int] = PROMPT) -> np.ndarray:
     """P(t1, t2) from the target alone, through the same sampler chain definition."""
 
     def dist(tokens):
         logits = model(mx.array(tokens)[None])[0, -1:]
         return np.array(probabilities(process_logits(logits, mx.array(tokens), cfg), cfg))[0]
 
-    p1 = dist(PROMPT)
-    return np.stack([p1[a] * dist(PROMPT + [a]) for a in range(VOCAB)])
+    p1 = dist(prompt)
+    return np.stack([p1[a] * dist(prompt + [a]) for a in range(VOCAB)])
 
 
 CONFIGS = {

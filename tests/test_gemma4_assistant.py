@@ -148,3 +148,11 @@ def test_distribution_at_temperature_one(tmp_path, n_samples):
     expected = exact_joint(model, cfg) * n_samples
     assert np.all(counts[expected == 0] == 0)
     assert chi_square_p_value(counts.ravel(), expected.ravel()) > 1e-3
+
+
+def test_batch_engine_leaves_it_to_the_single_sequence_engine(root):
+    """It reads the single-sequence target cache: the server's batch engine says it cannot batch it."""
+    from mlx_engine.core.batch_engine import BatchEngine
+
+    drafter = Gemma4AssistantDrafter(load_assistant(assistant_dir(root)[0]), target())
+    assert BatchEngine(target(), drafter).supported is not None

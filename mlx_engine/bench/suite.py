@@ -96,8 +96,26 @@ def load_prompts(suite: str, n: int, tokenizer) -> list[list[int]]:
     return [list(tokenizer.apply_chat_template(r["messages"], add_generation_prompt=True)) for r in rows]
 
 
-def build_modes(args, model, draft_model, mtp, random_mtp, extra=None) -> list[Mode]:
-    """extra: more drafter kinds by name -> a factory (--dflash, --assistant)."""
+def registry_drafters(args, loaded, mtp_ok: bool) -> dict:
+    """Drafters built by the registry (drafters/registry.py): the chains, and the kinds whose checkpoint
+    is given (--eagle3, --dflash, --assistant)."""
+    from ..drafters import registry
+
+    opts = registry.DrafterOptions(mtp_weights=args.mtp_weights, eagle3=args.eagle3, dflash=args.dflash,
+                                   assistant=args.assistant)
+    kinds = (["ngram+mtp"] if mtp_ok else []) + (["eagle3", "ngram+eagle3"] if args.eagle3 else []) \
+        + (["dflash"] if args.dflash else []) + (["gemma4-assistant"] if args.assistant else [])
+    out = {}
+    for kind in kinds:
+        try:
+            registry.make_drafter(kind, loaded, opts)  # fail here, before any timing
+        except registry.DrafterError as e:
+            raise BenchInputError(str(e)) from None
+        out[kind] = lambda kind=kind: registry.make_drafter(kind, loaded, opts)
+    return out
+
+
+def build_modes(args, model, draft_model, mtp, random_mtp, more: dict | None = None) -> list[Mode]:
     ks = args.ks
     modes = [Mode("mlx-lm plain", lambda p, n, t, s: run_mlx_lm(model, p, n, t, s), "mlx-lm")]
     for k in ks:
@@ -120,7 +138,7 @@ def build_modes(args, model, draft_model, mtp, random_mtp, extra=None) -> list[M
                 "ngram": NgramDrafter}
     if mtp is not None:
         drafters["mtp"] = mtp
-    drafters.update(extra or {})
+    drafters.update(more or {})
     for name, make in drafters.items():
         for k in ks:
             modes.append(engine_mode(f"engine {name} k={k}", make(), k))
@@ -205,14 +223,18 @@ def parser() -> ArgumentParser:
                     help="engine draft modes score only the token ids of this file's 'vocab_subset' array (e.g. the "
                          "MTP head file); mlx-lm's draft modes always score the full vocabulary")
     ap.add_argument("--mtp-weights", help="MTP head file (default: found next to the model)")
+    ap.add_argument("--eagle3", default=None,
+                    help="EAGLE-3 checkpoint folder: adds the eagle3 and ngram+eagle3 modes")
     ap.add_argument("--dflash", help="also run engine dflash modes with this DFlash checkpoint folder")
     ap.add_argument("--assistant", help="also run engine gemma4-assistant modes with this Gemma 4 assistant folder")
     ap.add_argument("--random-head", action="store_true", help="also run auto with a randomly initialised MTP head")
-    ap.add_argument("--suite", default="chat", help="prompt suite in bench/prompts (chat, code, long; default chat)")
+    ap.add_argument("--suite", default="chat", help="prompt suite in bench/prompts (chat, code, long, edit; default chat)")
     ap.add_argument("--prompts", type=count(1), default=8, help="prompts from the suite (default 8)")
     ap.add_argument("--max-tokens", type=count(2), default=64,
                     help="tokens per generation, >= 2: decode speed is timed after the first (default 64)")
     ap.add_argument("--trials", type=count(1), default=3, help="timed trials, after one warm-up (default 3)")
+    ap.add_argument("--warmup-prompts", type=count(1), default=None,
+                    help="prompts the warm-up trial runs (default: all); the warm-up only loads and compiles")
     ap.add_argument("--temps", type=float_list(0.0), default=[0.0, 0.7], help="temperatures (default 0,0.7)")
     ap.add_argument("--ks", type=int_list(1), default=[1, 2, 3], help="fixed draft lengths, each >= 1 (default 1,2,3)")
     ap.add_argument("--modes", default="",
@@ -267,23 +289,13 @@ def run(args, argv) -> int:
             raise BenchInputError(str(e)) from None
         print(f"note: no MTP modes ({e})", file=sys.stderr)
 
-    extra = {}
-    for kind, path in (("dflash", args.dflash), ("gemma4-assistant", args.assistant)):
-        if path:
-            from ..drafters.registry import DrafterError, DrafterOptions, make_drafter
-
-            opts = DrafterOptions.for_kind(kind, path)
-            try:
-                make_drafter(kind, loaded, opts)  # fail before timing anything
-            except DrafterError as e:
-                raise BenchInputError(str(e)) from None
-            extra[kind] = lambda kind=kind, opts=opts: make_drafter(kind, loaded, opts)
     prompts = load_prompts(args.suite, args.prompts, tok)
-    modes = build_modes(args, model, draft_model, mtp, random_mtp, extra)
+    modes = build_modes(args, model, draft_model, mtp, random_mtp, registry_drafters(args, loaded, mtp is not None))
     temps = args.temps
     out = Path(args.out) if args.out else default_out()
     results = {(m.name, t): [] for m in modes for t in temps}
-    total = (args.trials + 1) * len(modes) * len(temps) * len(prompts)
+    warm = min(args.warmup_prompts or len(prompts), len(prompts))
+    total = (args.trials * len(prompts) + warm) * len(modes) * len(temps)
     from rich.console import Console
 
     console = Console(stderr=True)
@@ -292,11 +304,12 @@ def run(args, argv) -> int:
         for trial in range(args.trials + 1):
             for temp in temps:
                 runs = {m.name: [] for m in modes}
-                for i, prompt in enumerate(prompts):
+                todo = prompts[: args.warmup_prompts] if trial == 0 and args.warmup_prompts else prompts
+                for i, prompt in enumerate(todo):
                     # every mode on this prompt back to back, the order rotating: drift hits all modes alike
                     shift = (i + trial) % len(modes)
                     label = "warm-up (not timed)" if trial == 0 else f"trial {trial}/{args.trials}"
-                    what = f"{label} t={temp:g} prompt {i + 1}/{len(prompts)}"
+                    what = f"{label} t={temp:g} prompt {i + 1}/{len(todo)}"
                     progress.update(task, description=what)
                     if not console.is_terminal:  # a log file: one line per prompt
                         print(f"{time.strftime('%H:%M:%S')} {what}", file=sys.stderr, flush=True)

@@ -18,13 +18,15 @@ class DrafterOptions:
     draft_model: str | None = None  # --drafter draft: a model with the target's tokenizer
     draft_vocab_subset: str | None = None  # --drafter draft: safetensors with a 'vocab_subset' id array
     mtp_weights: str | None = None  # --drafter mtp: a head file (default: found beside the model)
+    eagle3: str | None = None  # --drafter eagle3: an EAGLE-3 checkpoint folder (HF layout)
     dflash: str | None = None  # --drafter dflash: a DFlash checkpoint folder (z-lab layout)
     assistant: str | None = None  # --drafter gemma4-assistant: a Gemma 4 assistant checkpoint folder
 
     @classmethod
     def for_kind(cls, kind: str, path: str | None, **kw) -> "DrafterOptions":
         """Options where one path names the drafter's checkpoint (the chat's one 'draft model' field)."""
-        field_name = {"draft": "draft_model", "dflash": "dflash", "gemma4-assistant": "assistant"}.get(kind)
+        field_name = {"draft": "draft_model", "eagle3": "eagle3", "dflash": "dflash",
+                      "gemma4-assistant": "assistant"}.get(kind.split("+")[-1])
         return cls(**({field_name: path} if field_name and path else {}), **kw)
 
 
@@ -79,6 +81,17 @@ def _mtp(opts: DrafterOptions, loaded) -> Drafter:
     return load_mtp_drafter(loaded.model, loaded.path, loaded.config, mtp_weights=opts.mtp_weights)
 
 
+def _eagle3(opts: DrafterOptions, loaded) -> Drafter:
+    from .eagle3 import Eagle3Error, load_eagle3_drafter
+
+    if not opts.eagle3:
+        raise DrafterError("--drafter eagle3 needs --eagle3 PATH (an EAGLE-3 checkpoint folder)")
+    try:
+        return load_eagle3_drafter(opts.eagle3, loaded.model)
+    except (Eagle3Error, OSError) as e:
+        raise DrafterError(f"--eagle3: {e}") from None
+
+
 def _dflash(opts: DrafterOptions, loaded) -> Drafter:
     from .dflash import DFlashDrafter, DFlashError, load_dflash
 
@@ -105,9 +118,24 @@ BUILDERS: dict[str, Callable[[DrafterOptions, object], Drafter]] = {
     "ngram": _ngram,
     "draft": _draft,
     "mtp": _mtp,
+    "eagle3": _eagle3,
     "dflash": _dflash,
     "gemma4-assistant": _gemma4_assistant,
 }
+
+
+def _chain(model_kind: str) -> Callable[[DrafterOptions, object], Drafter]:
+    def build(opts: DrafterOptions, loaded) -> Drafter:
+        from .chain import ChainDrafter
+
+        return ChainDrafter(BUILDERS[model_kind](opts, loaded))
+
+    return build
+
+
+# chains: the n-gram draft when the context has a match, the model drafter otherwise (drafters/chain.py)
+CHAINS = {f"ngram+{m}": _chain(m) for m in ("mtp", "eagle3")}
+BUILDERS.update(CHAINS)
 KINDS = ("none", *BUILDERS)
 
 
@@ -116,12 +144,12 @@ def make_drafter(kind: str, loaded, opts: DrafterOptions | None = None) -> Draft
     opts = opts or DrafterOptions()
     if kind not in KINDS:
         raise DrafterError(f"unknown drafter {kind!r}; choose one of {', '.join(KINDS)}")
-    if kind != "draft" and opts.draft_model:
+    if kind != "draft" and opts.draft_model:  # (chains take the options of their model drafter)
         raise DrafterError("--draft-model is only used with --drafter draft")
     if kind != "draft" and opts.draft_vocab_subset:
         raise DrafterError("--draft-vocab-subset is only used with --drafter draft")
-    if kind != "dflash" and opts.dflash:
-        raise DrafterError("--dflash is only used with --drafter dflash")
-    if kind != "gemma4-assistant" and opts.assistant:
-        raise DrafterError("--assistant is only used with --drafter gemma4-assistant")
+    for field_name, owner in (("eagle3", "eagle3"), ("dflash", "dflash"), ("assistant", "gemma4-assistant")):
+        if getattr(opts, field_name) and owner not in kind.split("+"):
+            raise DrafterError(f"--{field_name} is only used with --drafter {owner}"
+                               + (" (or a chain with it)" if owner == "eagle3" else ""))
     return None if kind == "none" else BUILDERS[kind](opts, loaded)

@@ -82,25 +82,40 @@ class Target:
             _install_capture(m)
         return mods
 
+    def _run_capturing(self, run, request: HiddenRequest | None):
+        """(run()'s result, the hidden states `request` names [B, L, H'] or None), from one pass."""
+        mods = self._capture_modules(request) if request else []
+        for m in mods:
+            object.__setattr__(m, "_capture_on", True)
+        try:
+            out = run()
+        finally:
+            for m in mods:
+                object.__setattr__(m, "_capture_on", False)
+        if not mods:
+            return out, None
+        parts = [m._captured for m in mods]
+        for m in mods:
+            object.__setattr__(m, "_captured", None)
+        return out, parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-1)
+
     def forward(self, tokens: mx.array, cache: list, request: HiddenRequest | bool | None = None):
         """Logits of `tokens` [n] and, if `request` (True = the final-normed state), the hidden states it
         asks for, concatenated along the last axis: [n, H * (len(layers) + final)]."""
         if request is True:
             request = FINAL_HIDDEN
-        mods = self._capture_modules(request) if request else []
-        for m in mods:
-            object.__setattr__(m, "_capture_on", True)
-        try:
-            logits = self.model(tokens[None], cache=cache)[0]
-        finally:
-            for m in mods:
-                object.__setattr__(m, "_capture_on", False)
-        if not mods:
-            return logits, None
-        parts = [m._captured[0] for m in mods]
-        for m in mods:
-            object.__setattr__(m, "_captured", None)
-        return logits, parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-1)
+        logits, hidden = self._run_capturing(lambda: self.model(tokens[None], cache=cache), request)
+        return logits[0], None if hidden is None else hidden[0]
+
+    def forward_batch(self, tokens: mx.array, cache: list, request: HiddenRequest | None = None):
+        """Logits of `tokens` [B, T] -> [B, T, V] and the hidden states `request` asks for, [B, T, H'] or None
+        (several sequences in one pass: `cache` holds one row per sequence, e.g. BatchKVCache layers)."""
+        return self._run_capturing(lambda: self.model(tokens, cache=cache), request)
+
+    def hidden_batch(self, x: mx.array, cache, request: HiddenRequest) -> mx.array:
+        """The hidden states `request` names for a batch x [B, L] (no logits): [B, L, H']. Trainers use it
+        to read the features a drafter will be fed at run time, from the same capture as `forward`."""
+        return self._run_capturing(lambda: self.inner(x, cache=cache), request)[1]
 
     def lm_head(self, h: mx.array) -> mx.array:
         """Logits from final-normed hidden states (what MTP heads feed their output through)."""

@@ -1,7 +1,8 @@
-"""Measure a trained MTP head (or `--dflash DIR`, a DFlash drafter) on held-out prompts (mlx_engine/train/data/prompts_eval.jsonl) with the engine.
+"""Measure a trained head (MTP, EAGLE-3, DFlash, or any drafter kind) on held-out prompts
+(mlx_engine/train/data/prompts_eval.jsonl) with the engine.
 
-    python -m mlx_engine.train.eval_head [--head mlx_engine/heads/smollm2-135m-instruct/mtp.safetensors]
-        [--ks 1,2,3] [--max-tokens 96] [--out results.json]
+    python -m mlx_engine.train.eval_head [--drafter mtp|eagle3|ngram+mtp|...] [--head mtp.safetensors]
+        [--eagle3 DIR] [--ks 1,2,3] [--temp 0] [--max-tokens 96] [--out results.json]
 
 Per prompt, in one process and rotating the order: plain greedy decoding (num_draft=0) and MTP with
 num_draft=k. Reports acceptance at depth 1 (accepted_at[0]/drafted_at[0], summed over prompts), mean
@@ -21,8 +22,11 @@ DATA = Path(__file__).parent / "data"  # prompts and corpora, shipped as package
 def main(argv=None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--model", default=None)
-    p.add_argument("--head", default=None, help="head file (default: the one next to the model)")
-    p.add_argument("--dflash", default=None, help="measure this DFlash checkpoint folder instead of an MTP head")
+    p.add_argument("--head", default=None, help="MTP head file (default: the one next to the model)")
+    p.add_argument("--drafter", default="mtp", help="drafter kind (drafters/registry.py): mtp, eagle3, dflash, ngram+mtp, ...")
+    p.add_argument("--eagle3", default=None, help="EAGLE-3 checkpoint folder for --drafter eagle3 / ngram+eagle3")
+    p.add_argument("--dflash", default=None, help="DFlash checkpoint folder for --drafter dflash")
+    p.add_argument("--temp", type=float, default=0.0, help="sampling temperature (> 0: lossless in distribution only)")
     p.add_argument("--prompts", default=str(DATA / "prompts_eval.jsonl"))
     p.add_argument("--ks", default="1,2,3")
     p.add_argument("--max-tokens", type=int, default=96)
@@ -30,22 +34,17 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
 
-    from mlx_engine import Engine, GenerationConfig
+    from mlx_engine import Engine, GenerationConfig, SamplingConfig
+    from mlx_engine.drafters.registry import DrafterOptions, make_drafter
     from mlx_engine.models.default import default_model_path
-    from mlx_engine.drafters.mtp import load_mtp_drafter
     from mlx_engine.models import load
 
     path = a.model or str(default_model_path())
     m = load(path)
-    if a.dflash:
-        from mlx_engine.drafters.dflash import DFlashDrafter, load_dflash
-
-        drafter, sub = DFlashDrafter(load_dflash(a.dflash), m.model), None
-        print(f"dflash: block {drafter.block_size}, layers {drafter.hidden_request.layers}", flush=True)
-    else:
-        drafter = load_mtp_drafter(m.model, m.path, m.config, mtp_weights=a.head)
-        sub = drafter.vocab_subset
-        print(f"head: family {drafter.family}, draft vocabulary {'full' if sub is None else sub.size}", flush=True)
+    drafter = make_drafter(a.drafter, m, DrafterOptions(mtp_weights=a.head, eagle3=a.eagle3, dflash=a.dflash))
+    sub = getattr(drafter, "vocab_subset", None)
+    print(f"drafter {a.drafter}: draft vocabulary {'full' if sub is None else sub.size}", flush=True)
+    sampling = SamplingConfig(temperature=a.temp)
     prompts = [json.loads(x)["prompt"] for x in open(a.prompts) if x.strip()]
     if a.limit:
         prompts = prompts[: a.limit]
@@ -68,7 +67,7 @@ def main(argv=None) -> int:
         order = modes[i % len(modes):] + modes[: i % len(modes)]
         for k in order:
             eng = mtp_engine if k else plain_engine
-            cfg = GenerationConfig(max_tokens=a.max_tokens, num_draft=k, stop_tokens=stop)
+            cfg = GenerationConfig(max_tokens=a.max_tokens, num_draft=k, stop_tokens=stop, sampling=sampling, seed=i)
             outs[k] = [t for s in eng.generate(ids, cfg) for t in s.tokens]
             st = eng.stats
             tps[k] = st.decode_tps
@@ -87,11 +86,11 @@ def main(argv=None) -> int:
             covered[1] += len(outs[0]) - 1
         for k in ks:
             res[k]["speedup"].append(tps[k] / tps[0] if tps[0] else 0.0)
-            if outs[k] != outs[0]:
+            if a.temp == 0 and outs[k] != outs[0]:
                 mismatches += 1
         print(f"[{i + 1}/{len(prompts)}] {len(outs[0])} tokens  plain {tps[0]:.1f} tok/s  "
               + "  ".join(f"k={k} {tps[k]:.1f} tok/s" for k in ks), flush=True)
-    summary = {"prompts": len(prompts), "max_tokens": a.max_tokens, "lossless_mismatches": mismatches,
+    summary = {"drafter": a.drafter, "temperature": a.temp, "prompts": len(prompts), "max_tokens": a.max_tokens, "lossless_mismatches": mismatches,
                "plain_tps_median": statistics.median(res[0]["tps"]),
                "subset_coverage_of_plain_output": round(covered[0] / covered[1], 4) if covered[1] else None}
     for k in ks:

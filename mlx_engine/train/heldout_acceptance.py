@@ -9,6 +9,12 @@ states (the engine re-evaluates accepted slots), equals the target's greedy toke
 pass of the head over prompt + greedy answer gives exactly the engine's depth-1 acceptance (up to
 float16 storage of the hidden states), in seconds instead of minutes of decoding. Counted: drafts of
 answer tokens 2.. (the first answer token comes from the prefill).
+
+`--eagle3 DIR [...]`: EAGLE-3 checkpoints, measured per depth 1..--depth the same way: the training-time-test
+unroll (train/eagle3.py `unroll`, tested equal to the drafter's run-time draft logits) over the whole
+sequence, fed the target's greedy tokens; a depth-j draft counts as accepted iff the drafts of depths
+1..j all equal the target's greedy tokens (what the engine accepts at temperature 0 in a cycle that
+starts at that slot). Printed: P(accepted at depth j) over every anchor slot that has a depth-j target.
 """
 
 import argparse
@@ -21,7 +27,9 @@ DATA = Path(__file__).parent / "data"  # prompts and corpora, shipped as package
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("heads", nargs="+")
+    p.add_argument("heads", nargs="*", help="MTP head files (depth 1)")
+    p.add_argument("--eagle3", nargs="*", default=[], help="EAGLE-3 checkpoint folders (per depth)")
+    p.add_argument("--depth", type=int, default=4, help="depths measured for --eagle3")
     p.add_argument("--model", default=None)
     p.add_argument("--prompts", default=str(DATA / "prompts_eval.jsonl"))
     p.add_argument("--max-tokens", type=int, default=96)
@@ -71,7 +79,38 @@ def main(argv=None) -> int:
             hits += int((draft[lo:hi] == greedy[lo + 1 : hi + 1]).sum())
             n += hi - lo
         print(f"{path}: depth-1 acceptance {hits / n:.3f} over {n} drafts", flush=True)
+    for path in a.eagle3:
+        print(f"{path}: " + eagle3_per_depth(path, m, target, seqs, a.depth), flush=True)
     return 0
+
+
+def eagle3_per_depth(path, m, target, seqs, depth: int) -> str:
+    import mlx.core as mx
+    import numpy as np
+
+    from mlx_engine.drafters.eagle3 import load_eagle3_drafter
+    from mlx_engine.train.eagle3 import encode_features, unroll
+
+    drafter = load_eagle3_drafter(path, m.model)
+    head, req = drafter.head, drafter.hidden_request
+    ids = np.array(head.target_ids())
+    hits, n = np.zeros(depth), np.zeros(depth)
+    for full, n_prompt, _, greedy in seqs:
+        [(_, feats)] = encode_features(target, [full], [0], req)
+        N = len(full)
+        f = mx.array(feats).astype(mx.float32)[None]
+        # step j of anchor p is fed t_{p+j+1}: the sequence's tokens (greedy answer), padded at the end
+        toks = np.array(full + [0] * depth)
+        es = mx.stack([drafter._embed(mx.array(toks[j + 1 : j + 1 + N]))[None] for j in range(depth)])
+        draft = [ids[np.array(mx.argmax(s[0], axis=-1))] for s in unroll(head, f, es)]
+        ok = np.ones(N, dtype=bool)
+        for j in range(depth):
+            ok &= np.concatenate([draft[j][: N - 1 - j] == greedy[1 + j :], np.zeros(1 + j, bool)])
+            lo, hi = n_prompt - 1, N - 2 - j  # anchors whose depth-j target is an answer token from the 2nd on
+            if hi > lo:
+                hits[j] += ok[lo:hi].sum()
+                n[j] += hi - lo
+    return "  ".join(f"depth {j + 1}: {hits[j] / n[j]:.3f} ({int(n[j])})" for j in range(depth) if n[j])
 
 
 if __name__ == "__main__":

@@ -1,0 +1,62 @@
+"""Drafter chains (`ngram+mtp`, `ngram+eagle3`): prompt lookup when the context has a match, the model
+drafter otherwise (llama.cpp's n-gram-before-MTP chain, its PR 23269).
+
+Decided per cycle on the host from the committed tokens the engine already holds (the n-gram index is a
+dict on the host; no device read is added). Lossless at every temperature: which drafter drafts depends
+only on the committed history, and each drafter's proposal is verified by the same rule (an n-gram draft
+is deterministic: probs None = a point mass, verify.py).
+
+The model drafter still sees every committed token and hidden state: `commit` always goes to both. A
+model drafter that did not propose this cycle has nothing to trim; its pending slots (MTP / EAGLE-3)
+grow and are fed in one batch the next time it proposes.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from ..sampling import SamplingConfig
+from .base import Draft, Verdict
+from .ngram import NgramDrafter
+
+
+class ChainDrafter:
+    needs_hidden: bool
+
+    def __init__(self, model_drafter, ngram: NgramDrafter | None = None, min_match: int = 1):
+        """`min_match`: fewest n-gram tokens that make the n-gram draft win (a shorter match -> the model)."""
+        self.model = model_drafter
+        self.ngram = ngram or NgramDrafter(max_ngram=4, min_ngram=2)
+        self.min_match = min_match
+        self.name = f"ngram+{model_drafter.name}"
+        self.needs_hidden = bool(getattr(model_drafter, "needs_hidden", False))
+        if hasattr(model_drafter, "hidden_request"):
+            self.hidden_request = model_drafter.hidden_request
+        self.cycles = {"ngram": 0, model_drafter.name: 0}  # which drafter drafted, per cycle
+        self.last = None
+
+    def begin(self, tokens: list[int], hidden: mx.array | None) -> None:
+        self.ngram.begin(tokens, None)
+        self.model.begin(tokens, hidden)
+
+    def propose(self, k: int, sampling: SamplingConfig, key: mx.array) -> Draft:
+        found = self.ngram.lookup(k) if k > 0 else []
+        if len(found) >= self.min_match and found:
+            self.last = "ngram"
+            self.cycles["ngram"] += 1
+            return Draft(mx.array(found, dtype=mx.int32), None, host_tokens=found)
+        self.last = self.model.name
+        self.cycles[self.model.name] += 1
+        return self.model.propose(k, sampling, key)
+
+    def commit(self, verdict: Verdict, hidden: mx.array | None) -> None:
+        self.ngram.commit(verdict, None)
+        self.model.commit(verdict, hidden)
+
+    def max_draft(self) -> int | None:
+        return self.model.max_draft()
+
+    def __getattr__(self, name):  # flush, cache, history, ... of the model drafter (tests, tools)
+        if name == "model":
+            raise AttributeError(name)
+        return getattr(self.model, name)

@@ -1,0 +1,80 @@
+"""The engine thread, continuous-batching form: requests join and leave one running batch between steps of
+core.batch_engine.BatchEngine, which decodes them together with speculation kept on (each sequence its
+own drafter state and rollback; one verify forward scores every sequence's k+1 tokens). Here: admission
+from the queue while the batch has room, text and stop strings per request, and cancellation (a client
+that left, or a stop string found in the text) handed to the engine, which frees the sequence's rows."""
+
+from __future__ import annotations
+
+from .jobs import Failed, Output
+from .worker import WorkerBase
+
+
+class BatchWorker(WorkerBase):
+    mode = "continuous"
+    per_request_num_draft = False  # one k per batch step: the batch's policy chooses it
+
+    def __init__(self, engine, tokenizer, drafter_name: str | None, **kw):
+        super().__init__(tokenizer, **kw)
+        self.engine = engine
+        self.drafter_name = drafter_name or "none"
+        self.active: dict[int, Output] = {}
+        self.closing: dict[int, str] = {}  # sequences this side ended -> why ("stop": a stop string; "cancelled")
+        self.largest_batch = 0
+
+    def status(self) -> dict:
+        return {**super().status(), "max_batch": self.engine.max_batch, "largest_batch": self.largest_batch,
+                "step_costs": {str(b): {str(k): round(t, 4) for k, t in c.items()}
+                               for b, c in self.engine.policy.costs().items()}}
+
+    def loop_once(self) -> None:
+        self._admit()
+        if not self.active:
+            return
+        for sid, out in self.active.items():  # clients that left since the last step
+            if out.job.cancelled and sid not in self.closing:
+                self.engine.cancel(sid)
+                self.closing[sid] = "cancelled"
+        self.largest_batch = max(self.largest_batch, self.engine.running())
+        for result in self.engine.step():
+            self._deliver(result)
+        self.running = len(self.active)
+
+    def _admit(self) -> None:
+        while self.engine.free_slots() > 0:
+            job = self.next_job(None if self.active else 0.1)  # idle: wait a little for work
+            if job is None:
+                return
+            req = job.request
+            try:
+                self.engine.add(job.id, req.prompt, req.max_tokens, req.sampling, req.seed, self.eos)
+            except ValueError as e:
+                self.counts["failed"] += 1
+                job.put(Failed(str(e)))
+                continue
+            self.active[job.id] = self.output(job)
+            self.running = len(self.active)
+
+    def _deliver(self, result) -> None:
+        out = self.active.get(result.seq_id)
+        if out is None:
+            return
+        if result.seq_id not in self.closing and result.tokens:
+            if out.add(result.tokens) and result.finished is None:  # a stop string in the text: end it now
+                self.engine.cancel(result.seq_id)
+                self.closing[result.seq_id] = out.finish_reason
+        if result.finished is None:
+            return
+        reason = self.closing.pop(result.seq_id, None) or result.finished
+        s = result.stats or {}
+        passes = s.get("verify_passes", 0)
+        spec = {
+            "drafter": self.drafter_name, "drafted": s.get("drafted", 0), "accepted": s.get("accepted", 0),
+            "acceptance": round(s.get("acceptance", 0.0), 4), "verify_passes": s.get("verify_passes", 0),
+            # per verify pass that drafted (plain steps of the batch are not verify passes): accepted + 1
+            "tokens_per_verify": round((s.get("accepted", 0) + passes) / passes, 4) if passes else 0.0,
+            "decode_tps": round(s.get("decode_tokens_per_second", 0.0), 2),
+        }
+        self.counts["cancelled" if reason == "cancelled" else "served"] += 1
+        out.finish(spec, reason)
+        del self.active[result.seq_id]

@@ -1,0 +1,118 @@
+"""One request on its way through the engine thread. The engine thread turns token ids into text (stop
+strings included) and hands plain Python events to the HTTP side over an asyncio queue; the HTTP side
+cancels a job (the client left) by setting a flag the engine thread reads between steps."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import threading
+import time
+from dataclasses import dataclass, field
+
+from ..sampling import SamplingConfig
+from .stream import TextStream
+
+_ids = itertools.count(1)
+
+
+@dataclass
+class Request:
+    prompt: list[int]
+    max_tokens: int
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    seed: int = 0
+    stop: list[str] = field(default_factory=list)
+    num_draft: int | str | None = None  # None: the server's setting
+
+
+@dataclass(frozen=True)
+class Delta:
+    text: str
+
+
+@dataclass(frozen=True)
+class Done:
+    finish_reason: str  # "stop" (end of sequence or a stop string), "length", "cancelled"
+    prompt_tokens: int
+    completion_tokens: int
+    speculation: dict
+
+
+@dataclass(frozen=True)
+class Failed:
+    message: str
+
+
+class Job:
+    """Made on the HTTP side (inside the event loop); fed by the engine thread."""
+
+    def __init__(self, request: Request, loop: asyncio.AbstractEventLoop | None = None):
+        self.id = next(_ids)
+        self.request = request
+        self.loop = loop or asyncio.get_running_loop()
+        self.events: asyncio.Queue = asyncio.Queue()
+        self._cancelled = threading.Event()
+        self.submitted = time.perf_counter()
+
+    def cancel(self) -> None:
+        self._cancelled.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()
+
+    def put(self, event) -> None:  # engine thread -> event loop
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+        except RuntimeError:  # the loop has closed (server shutting down)
+            pass
+
+
+class Output:
+    """The engine side of a job: counts tokens, makes text, finds the end (EOS, a stop string, the limit)."""
+
+    def __init__(self, job: Job, tokenizer, special: frozenset[int], eos: frozenset[int]):
+        self.job = job
+        self.eos = eos
+        self.stream = TextStream(tokenizer, special, job.request.stop)
+        self.generated = 0
+        self.finish_reason: str | None = None
+        self.started = time.perf_counter()
+        self.first_token_time: float | None = None
+
+    def add(self, tokens: list[int]) -> bool:
+        """Emit tokens (already cut at max_tokens and after an EOS by the engine). True when finished."""
+        if self.finish_reason is not None:
+            return True
+        if self.first_token_time is None:
+            self.first_token_time = time.perf_counter()
+        self.generated += len(tokens)
+        delta = self.stream.add(tokens)
+        if delta:
+            self.job.put(Delta(delta))
+        if self.stream.stopped or (tokens and tokens[-1] in self.eos):
+            self.finish_reason = "stop"
+        elif self.generated >= self.job.request.max_tokens:
+            self.finish_reason = "length"
+        return self.finish_reason is not None
+
+    def finish(self, speculation: dict, reason: str | None = None) -> None:
+        rest = self.stream.finish() if not self.stream.stopped else ""
+        if rest:
+            self.job.put(Delta(rest))
+        reason = reason or self.finish_reason or "length"
+        self.job.put(Done(reason, len(self.job.request.prompt), self.generated, speculation))
+
+
+def speculation(drafted: int, accepted: int, cycles: int, generated: int, decode_time: float, drafter: str | None) -> dict:
+    """The extra `speculation` field of a response: what drafting did for this request."""
+    return {
+        "drafter": drafter or "none",
+        "drafted": drafted,
+        "accepted": accepted,
+        "acceptance": round(accepted / drafted, 4) if drafted else 0.0,
+        "verify_passes": cycles,
+        "tokens_per_verify": round((generated - 1) / cycles, 4) if cycles else 0.0,
+        "decode_tps": round((generated - 1) / decode_time, 2) if decode_time > 0 else 0.0,
+    }

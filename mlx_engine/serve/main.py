@@ -1,0 +1,105 @@
+"""`python -m mlx_engine serve`: load the model and drafter, start the engine thread, run uvicorn."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from ..args import count
+from ..drafters import registry
+from ..drafters.registry import DrafterError, DrafterOptions
+
+BATCHING = ("auto", "continuous", "fair")
+
+
+def add_serve_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", help="hub repo id, local model folder or .gguf file (default: the embedded "
+                                   "SmolLM2-135M-Instruct with its trained MTP head)")
+    p.add_argument("--drafter", default=None,
+                   help=f"one of {', '.join(registry.KINDS)} (default: mtp for the embedded model, else none)")
+    p.add_argument("--draft-model", help="draft model for --drafter draft (same tokenizer as --model)")
+    p.add_argument("--draft-vocab-subset", help="with --drafter draft: safetensors with a 'vocab_subset' id array")
+    p.add_argument("--mtp-weights", help="MTP head file for --drafter mtp (default: found beside the model)")
+    p.add_argument("--dflash", help="DFlash checkpoint folder for --drafter dflash")
+    p.add_argument("--assistant", help="Gemma 4 assistant checkpoint folder for --drafter gemma4-assistant")
+    p.add_argument("--num-draft", default="auto",
+                   help="tokens drafted per cycle: k >= 0, or auto (default): per batch, the k that measures fastest")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=count(0), default=8080, help="port (default 8080; 0 = any free port)")
+    p.add_argument("--max-concurrency", type=count(1), default=8,
+                   help="requests decoded together in one batch (default 8); more wait in the queue")
+    p.add_argument("--max-queue", type=count(1), default=64,
+                   help="requests running or waiting before new ones get 503 (default 64)")
+    p.add_argument("--max-tokens", type=count(1), default=512, help="default max_tokens of a request (default 512)")
+    p.add_argument("--batching", choices=BATCHING, default="auto",
+                   help="continuous: batch concurrent requests (KV-cache models); fair: one at a time, first come "
+                        "first served (any model); auto (default): continuous where the model allows")
+
+
+def context_length(config: dict) -> int:
+    for key in ("max_position_embeddings", "max_sequence_length", "n_positions", "seq_length"):
+        value = (config.get("text_config") or {}).get(key) or config.get(key)
+        if value:
+            return int(value)
+    return 4096
+
+
+def build_service(args):
+    """Load, pick the worker, warm up. -> Service (its worker not yet started)."""
+    from ..cli import UsageError, parse_num_draft
+    from ..core.engine import Engine
+    from ..models import load
+    from .app import Service
+    from .worker import FairQueueWorker
+
+    num_draft = parse_num_draft(args.num_draft)
+    loaded = load(args.model)
+    kind = args.drafter or ("mtp" if args.model is None else "none")
+    opts = DrafterOptions(draft_model=args.draft_model, draft_vocab_subset=args.draft_vocab_subset,
+                          mtp_weights=args.mtp_weights, dflash=getattr(args, "dflash", None),
+                          assistant=getattr(args, "assistant", None))
+    try:
+        drafter = registry.make_drafter(kind, loaded, opts)
+    except DrafterError as e:
+        raise UsageError(str(e)) from None
+    common = dict(max_queue=args.max_queue, num_draft=num_draft)
+    worker = None
+    if args.batching != "fair":
+        from ..core.batch_engine import BatchEngine
+        from .batch import BatchWorker
+
+        engine = BatchEngine(loaded.model, drafter, num_draft=num_draft, max_batch=args.max_concurrency)
+        if engine.supported is None:
+            worker = BatchWorker(engine, loaded.tokenizer, drafter.name if drafter is not None else None, **common)
+        elif args.batching == "continuous":
+            raise UsageError(f"--batching continuous: this model cannot be batched ({engine.supported})")
+        else:
+            print(f"note: serving one request at a time (fair queue): this model cannot be batched yet "
+                  f"({engine.supported})", file=sys.stderr)
+    if worker is None:
+        worker = FairQueueWorker(Engine(loaded.model, drafter), loaded.tokenizer, **common)
+    name = Path(str(loaded.path)).name
+    if name.endswith(".gguf"):
+        name = name[: -len(".gguf")]
+    engine_vocab = int((loaded.config.get("text_config") or loaded.config).get("vocab_size", 0)) or len(
+        loaded.tokenizer.get_vocab())
+    return Service(name, loaded.tokenizer, context_length(loaded.config), engine_vocab, worker, args.max_tokens), kind
+
+
+def run_serve(args) -> int:
+    import uvicorn
+
+    from .app import create_app
+
+    service, kind = build_service(args)
+    service.worker.start()
+    config = uvicorn.Config(create_app(service), host=args.host, port=args.port, log_level="warning")
+    server = uvicorn.Server(config)
+    print(f"serving {service.model_id} on http://{args.host}:{args.port}/v1 (drafter {kind}, num-draft "
+          f"{args.num_draft}, {service.worker.mode}, up to {args.max_concurrency} at once)", file=sys.stderr, flush=True)
+    try:
+        server.run()
+    finally:
+        service.worker.stop()
+    return 0

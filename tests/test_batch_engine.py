@@ -1,0 +1,211 @@
+"""Continuous batching with speculation (core/batch_engine.py): several sequences decoded together, each
+drafting with its own drafter state, one verify pass for all, per-row rollback. Every sequence's output
+equals the same request served alone."""
+
+import mlx.core as mx
+import pytest
+
+import tiny_models
+from mlx_engine.core.batch_engine import BatchEngine
+from mlx_engine.core.engine import Engine, GenerationConfig
+from mlx_engine.drafters.mtp import load_head, load_mtp_drafter
+from mlx_engine.drafters.ngram import NgramDrafter
+from mlx_engine.sampling import SamplingConfig
+from mlx_engine.target.batch_cache import BatchKVCache
+from mlx_lm.models.cache import KVCache
+from test_mtp_helpers import OracleMTP, load_hf, make
+
+PROMPTS = [[5, 9, 17, 33, 2, 41, 5, 9], [7, 7, 8, 9, 10, 7, 7], [100, 3, 4, 100, 3], [1, 2, 3, 1, 2, 3, 1, 2],
+           [200, 11, 5, 77, 128, 64, 31, 2, 99, 150, 7, 8]]
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return tiny_models.build("llama", seed=3)[0]
+
+
+def alone(model, prompt, n, stop=frozenset(), sampling=None, seed=0):
+    """The request served alone, plain decoding by the single-sequence Engine."""
+    cfg = GenerationConfig(max_tokens=n, num_draft=0, stop_tokens=stop, sampling=sampling or SamplingConfig(), seed=seed)
+    return [t for s in Engine(model, None).generate(prompt, cfg) for t in s.tokens]
+
+
+def run(engine, requests, joins=None):
+    """requests: {id: (prompt, max_tokens, kwargs)}; joins: {step: [ids]} (the rest join before step 0).
+    -> ({id: tokens}, {id: (finish, stats)})."""
+    joins = joins or {}
+    later = {i for ids in joins.values() for i in ids}
+    for i, (p, n, kw) in requests.items():
+        if i not in later:
+            engine.add(i, p, n, **kw)
+    got, done, step = {i: [] for i in requests}, {}, 0
+    while len(done) < len(requests):
+        for i in joins.get(step, []):
+            p, n, kw = requests[i]
+            engine.add(i, p, n, **kw)
+        for o in engine.step():
+            got[o.seq_id] += o.tokens
+            if o.finished:
+                done[o.seq_id] = (o.finished, o.stats)
+        step += 1
+        assert step < 500
+    return got, done
+
+
+@pytest.mark.cpu_exact
+@pytest.mark.parametrize("num_draft", [0, 1, 3, "auto"])
+def test_concurrent_greedy_each_equals_alone(llama, num_draft):
+    stop = frozenset({17})
+    reqs = {i: (p, 20 + 3 * i, {"stop_tokens": stop}) for i, p in enumerate(PROMPTS)}
+    ref = {i: alone(llama, p, n, stop) for i, (p, n, _) in reqs.items()}
+    engine = BatchEngine(llama, NgramDrafter(), num_draft=num_draft, max_batch=5)
+    got, done = run(engine, reqs, joins={2: [3], 5: [4]})  # two requests join a running batch
+    assert got == ref
+    for i, (finish, stats) in done.items():
+        assert finish == ("stop" if ref[i][-1] in stop else "length")
+        assert stats["completion_tokens"] == len(ref[i])
+        assert 0 <= stats["accepted"] <= stats["drafted"]
+        if stats["verify_passes"]:  # tokens per drafting step: accepted drafts + 1, at most k + 1
+            assert 1 <= stats["tokens_per_verify"] <= (8 if num_draft == "auto" else num_draft) + 1
+    if num_draft not in (0, "auto"):
+        assert sum(s["accepted"] for _, s in done.values()) > 0  # prompt lookup found something to accept
+
+
+@pytest.mark.cpu_exact
+def test_mtp_rows_draft_with_their_own_state(tmp_path_factory):
+    """An MTP head per row (each sequence its own head cache), batched verify: each output equals its
+    request served alone. With an oracle head (drafts right whenever the row's OWN history is right) every
+    draft of every row is accepted: no row drafts from another row's state."""
+    folder = make(tmp_path_factory, "deepseek_v3")
+    model, config = load_hf(folder)
+    reqs = {i: (p, 24, {}) for i, p in enumerate(PROMPTS[:3])}
+    engine = BatchEngine(model, load_mtp_drafter(model, folder, config), num_draft=2, max_batch=3,
+                         batched_drafting=False)
+    assert engine.supported is None
+    got, _ = run(engine, reqs, joins={1: [2]})
+    for i, (p, n, _) in reqs.items():
+        assert got[i] == alone(model, p, n)
+
+    oracle = OracleMTP(load_head(model, folder, config), model)
+    got, done = run(BatchEngine(model, oracle, num_draft=3, max_batch=3), reqs, joins={2: [2]})
+    for i, (p, n, _) in reqs.items():
+        assert got[i] == alone(model, p, n)
+        stats = done[i][1]
+        assert stats["drafted"] > 0 and stats["accepted"] == stats["drafted"]
+
+
+@pytest.mark.cpu_exact
+def test_sampled_rows_equal_themselves_alone(llama):
+    """At T > 0 a row's draws come from its own seed and its logits do not depend on the other rows."""
+    s = SamplingConfig(temperature=0.8, top_p=0.95)
+    reqs = {i: (p, 16, {"sampling": s, "seed": 10 + i}) for i, p in enumerate(PROMPTS[:3])}
+    together, _ = run(BatchEngine(llama, NgramDrafter(), num_draft=2, max_batch=3), reqs)
+    for i, r in reqs.items():
+        each, _ = run(BatchEngine(llama, NgramDrafter(), num_draft=2, max_batch=1), {i: r})
+        assert together[i] == each[i]
+
+
+def test_cancel_frees_the_row(llama):
+    engine = BatchEngine(llama, NgramDrafter(), num_draft=2, max_batch=2)
+    engine.add("a", PROMPTS[0], 50)
+    engine.add("b", PROMPTS[1], 50)
+    engine.step()
+    engine.cancel("a")
+    outs = engine.step()
+    assert [o.finished for o in outs if o.seq_id == "a"] == ["cancelled"]
+    assert engine.running() == 1 and engine.cache[0].lens and len(engine.cache[0].lens) == 1
+    assert engine.cache[0].keys.shape[0] == 1
+
+
+@pytest.mark.cpu_exact
+def test_next_turn_reuses_a_finished_prefix(llama):
+    engine = BatchEngine(llama, NgramDrafter(), num_draft=2, max_batch=2)
+    first, _ = run(engine, {0: (PROMPTS[4], 10, {})})
+    turn2 = PROMPTS[4] + first[0] + [3, 4, 5]
+    got, done = run(engine, {1: (turn2, 10, {})})
+    assert done[1][1]["reused_prompt_tokens"] >= len(PROMPTS[4])
+    assert got[1] == alone(llama, turn2, 10)
+
+
+def test_model_whose_cache_cannot_batch_is_refused():
+    model = tiny_models.build("qwen3_next", seed=0)[0]
+    engine = BatchEngine(model, None)
+    assert engine.supported and "ArraysCache" in engine.supported
+    with pytest.raises(ValueError, match="cannot be batched"):
+        engine.add(0, [1, 2, 3], 4)
+
+
+def test_batch_cache_rows_match_single_caches():
+    """Rows of different lengths fed together hold exactly what each row's own KVCache holds; trim_row
+    drops one row's tail only."""
+    mx.random.seed(0)
+    singles, batch = [KVCache(), KVCache()], BatchKVCache()
+    for c, n in zip(singles, (5, 9)):
+        k, v = mx.random.normal((1, 2, n, 4)), mx.random.normal((1, 2, n, 4))
+        c.update_and_fetch(k, v)
+        batch.add_row(k, v)
+    new_k, new_v = mx.random.normal((2, 2, 3, 4)), mx.random.normal((2, 2, 3, 4))
+    mask = batch.make_mask(3)
+    batch.update_and_fetch(new_k, new_v)
+    for i, c in enumerate(singles):
+        c.update_and_fetch(new_k[i : i + 1], new_v[i : i + 1])
+        k, v = batch.row(i)
+        assert mx.array_equal(k, c.keys[:, :, : c.offset]) and mx.array_equal(v, c.values[:, :, : c.offset])
+        n = c.offset - 3
+        assert mask[i, 0].tolist() == [[p <= n + q for p in range(12)] for q in range(3)]
+    batch.trim_row(1, 2)
+    assert batch.lens == [8, 10]
+    assert mx.array_equal(batch.row(1)[0], singles[1].keys[:, :, :10])
+
+
+@pytest.mark.cpu_exact
+def test_batched_mtp_drafts_what_a_head_per_row_drafts(tmp_path_factory):
+    """One head pass for all rows (drafters/mtp/batched.py) proposes, step by step, exactly the drafts of
+    a separate MTP drafter per row, with rows joining and leaving, and the outputs equal alone."""
+    folder = make(tmp_path_factory, "deepseek_v3")
+    model, config = load_hf(folder)
+    drafter = load_mtp_drafter(model, folder, config)
+    reqs = {i: (p, 14 + 4 * i, {}) for i, p in enumerate(PROMPTS[:4])}
+    logs = {}
+    for batched in (False, True):
+        engine = BatchEngine(model, drafter, num_draft=3, max_batch=4, batched_drafting=batched)
+        assert (engine.batched is not None) == batched
+        log = logs[batched] = []
+        if batched:
+            propose = engine.batched.propose
+
+            def record(k, samplings, keys):
+                drafts = propose(k, samplings, keys)
+                log.extend((s.id, d.tokens.tolist()) for s, d in zip(engine.seqs, drafts))
+                return drafts
+
+            engine.batched.propose = record
+        else:
+            per_row = engine._propose
+
+            def record(s, k):
+                d = per_row(s, k)
+                log.append((s.id, d.tokens.tolist()))
+                return d
+
+            engine._propose = record
+        got, _ = run(engine, reqs, joins={2: [2], 4: [3]})
+        for i, (p, n, _) in reqs.items():
+            assert got[i] == alone(model, p, n)
+    assert logs[True] == logs[False] and len(logs[True]) > 10
+
+
+@pytest.mark.parametrize("num_draft", [0, 2])
+def test_one_host_read_per_step(llama, num_draft):
+    """A batched step, drafting or plain, synchronises with the device once: the read of every row's verdict."""
+    from mlx_engine import host
+
+    engine = BatchEngine(llama, NgramDrafter(), num_draft=num_draft, max_batch=3)
+    for i, p in enumerate(PROMPTS[:3]):
+        engine.add(i, p, 30)
+    engine.step()  # the first tokens
+    before = dict(host.counts)
+    for _ in range(5):
+        engine.step()
+    assert host.counts["read"] - before["read"] == 5
+    assert host.counts["wait"] == before["wait"]

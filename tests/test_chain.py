@@ -1,0 +1,128 @@
+"""Drafter chains (ngram+mtp, ngram+eagle3): greedy output == plain for every k with both branches used,
+the model drafter's state exact after n-gram cycles, the T = 1 distribution == the target's."""
+
+import itertools
+import json
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import tiny_models
+from eagle3_writer import write_eagle3
+from hf_writer import write_checkpoint
+from mlx_engine import Engine, GenerationConfig, SamplingConfig
+from mlx_engine.__main__ import main
+from mlx_engine.drafters.chain import ChainDrafter
+from mlx_engine.drafters.eagle3 import load_eagle3_drafter
+from mlx_engine.drafters.mtp import load_mtp_drafter
+from mlx_engine.drafters.ngram import NgramDrafter
+from mlx_engine.target.model import Target
+from reference import mlx_lm_greedy
+from test_distribution import N_SAMPLES, VOCAB, chi_square_p_value, exact_joint
+from test_mtp_helpers import load_hf
+
+# repeats itself, so prompt lookup finds matches; the tiny models also fall into loops the n-gram catches
+PROMPT = [3, 17, 42, 9, 200, 11, 5, 77, 3, 17, 42, 9, 128, 64, 31, 2, 3, 17, 42]
+
+
+@pytest.fixture(scope="module")
+def llama6(tmp_path_factory):
+    model, cfg = tiny_models.build("llama", seed=0, num_hidden_layers=6)
+    folder = tmp_path_factory.mktemp("chain_e3")
+    write_eagle3(folder, cfg, seed=2, draft_vocab=128)
+    return model, folder
+
+
+def _run(model, drafter, k, n=64, prompt=PROMPT):
+    engine = Engine(model, drafter)
+    out = [t for step in engine.generate(prompt, GenerationConfig(max_tokens=n, num_draft=k)) for t in step.tokens]
+    return out, engine
+
+
+def test_ngram_eagle3_greedy_equals_plain_for_every_k(llama6):
+    model, folder = llama6
+    ref = mlx_lm_greedy(model, PROMPT, 64)
+    for k in range(1, 9):
+        chain = ChainDrafter(load_eagle3_drafter(folder, model))
+        out, engine = _run(model, chain, k)
+        assert out == ref, f"k={k}"
+        assert chain.cycles["ngram"] > 0 and chain.cycles["eagle3"] > 0, chain.cycles
+        assert engine.stats.accepted > 0
+
+
+def test_ngram_mtp_greedy_equals_plain(tmp_path_factory):
+    folder = write_checkpoint(tmp_path_factory.mktemp("hf") / "qwen3_5", "qwen3_5", seed=3)
+    model, config = load_hf(folder)
+    ref = mlx_lm_greedy(model, PROMPT, 64)
+    for k in (1, 2, 4, 8):
+        # unigram matches too: this random model's output rarely repeats a 2-gram
+        chain = ChainDrafter(load_mtp_drafter(model, folder, config), NgramDrafter(max_ngram=3, min_ngram=1))
+        out, _ = _run(model, chain, k)
+        assert out == ref, f"k={k}"
+        assert chain.cycles["ngram"] > 0 and chain.cycles["mtp"] > 0, chain.cycles
+
+
+def test_model_drafter_sees_every_committed_token(llama6):
+    """After a mix of n-gram and EAGLE-3 cycles, the EAGLE-3 cache equals a fresh one-batch prefill over the
+    committed tokens and the target's features."""
+    model, folder = llama6
+    chain = ChainDrafter(load_eagle3_drafter(folder, model))
+    engine = Engine(model, chain)
+    gen = engine.generate(PROMPT, GenerationConfig(max_tokens=64, num_draft=3))
+    for _ in range(12):
+        next(gen)
+    assert chain.cycles["ngram"] > 0 and chain.cycles["eagle3"] > 0, chain.cycles
+    inner = chain.model
+    inner.flush()
+    history = inner.history
+    assert history == chain.ngram.tokens
+    n = len(history) - 1
+    tgt = Target(model)
+    _, feats = tgt.forward(mx.array(history[:-1]), tgt.make_cache(), inner.hidden_request)
+    fresh = load_eagle3_drafter(folder, model)
+    fresh.begin(history, feats)
+    fresh.flush()
+    got, want = inner.cache[0], fresh.cache[0]
+    assert got.offset == want.offset == n
+    for a, b in ((got.keys, want.keys), (got.values, want.values)):
+        np.testing.assert_allclose(np.array(a[..., :n, :]), np.array(b[..., :n, :]), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.slow  # 1500 generations: ~20-35 s on the shared CPU
+def test_chain_follows_target_distribution_at_temperature_1(tmp_path_factory):
+    """Vocabulary of 6; the prompt's 2-gram (3, 1) recurs, so the second token comes from an n-gram draft
+    when the first is 1 and from an EAGLE-3 draft otherwise: both branches, one exact joint."""
+    model, cfg = tiny_models.build("llama", seed=1, vocab=VOCAB, num_hidden_layers=4)
+    folder = tmp_path_factory.mktemp("chain_dist")
+    write_eagle3(folder, cfg, seed=4, draft_vocab=4)
+    prompt = [1, 4, 2, 5, 3, 1, 4, 2, 5, 3]
+    sampling = SamplingConfig(temperature=1.0)
+    chain = ChainDrafter(load_eagle3_drafter(folder, model), NgramDrafter(max_ngram=2, min_ngram=2))
+    engine = Engine(model, chain)
+    counts = np.zeros((VOCAB, VOCAB))
+    for seed in range(N_SAMPLES):
+        gen = GenerationConfig(max_tokens=4, num_draft=2, sampling=sampling, seed=seed)
+        tokens = [t for step in itertools.islice(engine.generate(prompt, gen), 2) for t in step.tokens]
+        counts[tokens[0], tokens[1]] += 1
+    assert chain.cycles["ngram"] > 50 and chain.cycles["eagle3"] > 50, chain.cycles
+    expected = exact_joint(model, sampling, prompt) * N_SAMPLES
+    assert np.all(counts[expected == 0] == 0)
+    assert chi_square_p_value(counts.ravel(), expected.ravel()) > 1e-3
+
+
+def test_cli_chains(tmp_path_factory, capsys):
+    folder = write_checkpoint(tmp_path_factory.mktemp("hf") / "qwen3_5", "qwen3_5", seed=3)
+    args = ["generate", "--model", str(folder), "--prompt-tokens", ",".join(map(str, PROMPT)), "--max-tokens", "40",
+            "--ignore-eos", "--temp", "0", "--json"]
+
+    def run(*extra):
+        assert main([*args, *extra]) == 0, capsys.readouterr().err
+        return json.loads(capsys.readouterr().out)
+
+    plain = run("--drafter", "none")
+    spec = run("--drafter", "ngram+mtp", "--num-draft", "3")
+    assert spec["tokens"] == plain["tokens"] and spec["stats"]["drafted"] > 0
+    assert main([*args, "--drafter", "ngram+eagle3"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "--eagle3" in err

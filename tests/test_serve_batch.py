@@ -1,0 +1,116 @@
+"""Continuous batching through the server (the real `openai` client, the embedded model + its MTP head):
+N concurrent greedy requests each give exactly what the same request gives served alone (and what plain
+greedy decoding gives), a client leaving mid-stream frees its sequence while the others go on, stop
+strings end one sequence of a batch."""
+
+import threading
+import time
+
+import httpx2 as httpx
+import pytest
+
+from mlx_engine import text as text_ops
+from mlx_engine.core.engine import Engine, GenerationConfig
+from serve_util import RunningServer
+
+QUESTIONS = ["What is the capital of France?", "Give me one tip for better sleep.", "Write a haiku about the sea."]
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = RunningServer("--batching", "continuous", "--max-concurrency", "4", "--max-tokens", "64")
+    yield s
+    s.close()
+
+
+def ask(server, question: str, n: int = 12, stream: bool = False, **kw):
+    client = server.client()
+    msgs = [{"role": "user", "content": question}]
+    if not stream:
+        r = client.chat.completions.create(model=server.model, messages=msgs, max_tokens=n, temperature=0, **kw)
+        return r.choices[0].message.content, r.usage.completion_tokens, r.choices[0].finish_reason
+    chunks = list(client.chat.completions.create(model=server.model, messages=msgs, max_tokens=n, temperature=0,
+                                                 stream=True, **kw))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    return text, chunks[-1].usage.completion_tokens, chunks[-1].choices[0].finish_reason
+
+
+def together(fn, args_list):
+    results = [None] * len(args_list)
+    barrier = threading.Barrier(len(args_list))
+
+    def run(i):
+        barrier.wait()
+        results[i] = fn(*args_list[i])
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(args_list))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results
+
+
+@pytest.mark.cpu_exact  # a batch row's float arithmetic equals a lone row's: true of MLX's CPU kernels
+def test_concurrent_greedy_requests_each_equal_the_request_served_alone(server):
+    assert httpx.get(server.base + "/health").json()["mode"] == "continuous"
+    alone = [ask(server, q) for q in QUESTIONS]
+    worker = server.service.worker
+    worker.largest_batch = 0
+    concurrent = together(lambda q, s: ask(server, q, stream=s), [(q, i % 2 == 0) for i, q in enumerate(QUESTIONS)])
+    assert worker.largest_batch >= 2  # they really ran as one batch
+    assert concurrent == alone
+    # and served alone is plain greedy decoding (speculation is lossless)
+    from mlx_engine.serve.app import encode_chat
+    from mlx_engine.serve.schemas import ChatMessage
+
+    tok = server.service.tokenizer
+    plain = Engine(worker.engine.target.model)
+    for q, (text, n, _) in zip(QUESTIONS[:1], alone[:1]):
+        prompt = encode_chat(tok, [ChatMessage(role="user", content=q)])
+        ids = [t for s in plain.generate(prompt, GenerationConfig(max_tokens=12, num_draft=0, stop_tokens=worker.eos))
+               for t in s.tokens]
+        assert text == text_ops.decode(tok, ids) and n == len(ids)
+
+
+def test_a_client_leaving_frees_its_sequence_and_the_others_go_on(server):
+    worker = server.service.worker
+    before = worker.counts["cancelled"]
+    alone = ask(server, QUESTIONS[1])
+
+    def leaver():
+        with httpx.stream("POST", server.base + "/v1/completions", json={
+                "model": server.model, "prompt": "Once upon a time", "max_tokens": 60, "stream": True}, timeout=120) as resp:
+            got = 0
+            for line in resp.iter_lines():
+                got += line.startswith("data: {")
+                if got >= 3:
+                    return "left"
+
+    out = together(lambda f: f(), [(leaver,), (lambda: ask(server, QUESTIONS[1]),)])
+    assert out[0] == "left" and out[1] == alone
+    deadline = time.time() + 30
+    while worker.counts["cancelled"] == before and time.time() < deadline:
+        time.sleep(0.05)
+    assert worker.counts["cancelled"] == before + 1
+    assert worker.engine.running() == 0 and not worker.active
+
+
+def test_stop_string_ends_one_sequence_of_the_batch(server):
+    client = server.client()
+    prompt = "Count: 1, 2, 3, 4, 5, 6, 7, 8, 9,"
+    full = client.completions.create(model=server.model, prompt=prompt, max_tokens=16).choices[0].text
+    assert " 12" in full, full
+
+    def cut():
+        r = client.completions.create(model=server.model, prompt=prompt, max_tokens=16, stop=[" 12"])
+        return r.choices[0].text, r.choices[0].finish_reason
+
+    res = together(lambda f: f(), [(cut,), (lambda: ask(server, QUESTIONS[0]),)])
+    assert res[0] == (full[: full.index(" 12")], "stop")
+
+
+def test_per_request_num_draft_is_refused_in_batch_mode(server):
+    r = httpx.post(server.base + "/v1/completions", json={"model": server.model, "prompt": "Hi", "num_draft": 0},
+                   timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "num_draft"
