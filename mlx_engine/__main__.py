@@ -24,12 +24,15 @@ def main(argv: list[str] | None = None) -> int:
                                                 "several clients decoded together (see --help)"))
     sub.add_parser("train-mtp", help="train an MTP head for a model that ships none (see --help)", add_help=False)
     sub.add_parser("train-eagle3", help="train an EAGLE-3 head for a model (see --help)", add_help=False)
+    sub.add_parser("train-dflash", help="train a DFlash block drafter for a model (see --help)", add_help=False)
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] in (["train-mtp"], ["train-eagle3"]):
+    if argv[:1] in (["train-mtp"], ["train-eagle3"], ["train-dflash"]):
         if argv[0] == "train-mtp":
             from .train.mtp import main as train_main
-        else:
+        elif argv[0] == "train-eagle3":
             from .train.eagle3 import main as train_main
+        else:
+            from .train.dflash import main as train_main
 
         try:
             return train_main(argv[1:])

@@ -13,15 +13,14 @@ from mlx_engine.train.dflash import make_batch, train_forward
 
 def test_train_forward_equals_the_drafters_block(tmp_path):
     model = tiny_models.build("qwen3", seed=1, num_hidden_layers=4)[0]
-    cfg = du.config(tiny_models.VOCAB, 48, (0, 2))
-    du.write(tmp_path, cfg, seed=3)
+    cfg, _ = du.write_dflash(tmp_path, 48, tiny_models.VOCAB, seed=3, layer_ids=(0, 2), block_size=5)
     drafter = DFlashDrafter(load_dflash(tmp_path), model)
     t = Target(model)
     seq = [3, 17, 42, 9, 128, 77, 5, 200, 17, 42, 9, 60, 61]
     n = 9  # context rows 0..8, the block's anchor token seq[9] at position 9
     _, feats = t.forward(mx.array(seq[:n]), t.make_cache(), drafter.hidden_request)
     drafter.begin(seq[: n + 1], feats)
-    want = np.array(drafter.block_logits())
+    want = np.array(drafter.logits(drafter.block_hidden()[1:]))
     B = cfg["block_size"]
     block = mx.array([[seq[n]] + [cfg["dflash_config"]["mask_token_id"]] * (B - 1)])
     mask = mx.ones((1, B, n + B), dtype=mx.bool_)

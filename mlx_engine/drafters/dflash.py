@@ -233,8 +233,9 @@ class DFlashDrafter:
         self.history = list(tokens)
         self._pending = [hidden]
 
-    def block_logits(self) -> mx.array:
-        """Feed the pending context rows and run the block: logits [block_size - 1, V] of the drafts."""
+    def block_hidden(self) -> mx.array:
+        """Feed the pending context rows, run the block: final-normed hidden [block_size, H] (row 0 is the
+        last committed token's, rows 1.. are the drafts')."""
         s = self.model.settings
         feats = mx.concatenate(self._pending) if len(self._pending) > 1 else self._pending[0]
         self._pending = [feats[:0]]
@@ -243,20 +244,26 @@ class DFlashDrafter:
             raise RuntimeError("DFlash context rows out of step with the committed tokens")
         block = mx.array([self.history[-1]] + [s["mask_token_id"]] * (self.block_size - 1), dtype=mx.int32)
         emb = self.target.embed_tokens(block) * s["input_embedding_scale"]
-        h = self.model(emb.astype(feats.dtype), feats, self.cache, start)
-        logits = self.target.lm_head(h[1:]) * s["output_multiplier"]
+        return self.model(emb.astype(feats.dtype), feats, self.cache, start)
+
+    def logits(self, h: mx.array) -> mx.array:
+        """The target's output layer on draft rows, * output_multiplier, optional softcap (compute_logits)."""
+        s = self.model.settings
+        logits = self.target.lm_head(h) * s["output_multiplier"]
         if s["softcap"]:
             logits = mx.tanh(logits / s["softcap"]) * s["softcap"]
         return logits
 
     def propose(self, k: int, sampling: SamplingConfig, key: mx.array) -> Draft:
-        logits = self.block_logits()[:k]
-        keys = mx.random.split(key, k)
+        """The block in one pass, cut to the first k drafts (the output layer runs on those rows only)."""
+        k = min(k, self.block_size - 1)
+        logits = self.logits(self.block_hidden()[1 : k + 1])
         window = mx.array(self.history[-sampling.repetition_context :]) if sampling.penalized else None
         if window is None and sampling.greedy:
             return Draft(mx.argmax(logits, axis=-1).astype(mx.int32), None)
+        keys = mx.random.split(key, k)
         tokens, probs = [], []
-        for i in range(k):
+        for i in range(k):  # each row its own distribution (the block's rows do not read earlier drafts)
             context = mx.concatenate([window, *tokens]) if window is not None else None
             tok, p = choose(logits[i : i + 1], context, sampling, keys[i])
             tokens.append(tok.astype(mx.int32))
