@@ -1,6 +1,7 @@
 """The DFlash trainer's batched forward (many anchors per sequence, one block-diagonal mask) computes what
 the drafter computes for a block: same logits on the same context."""
 
+import pytest
 import mlx.core as mx
 import numpy as np
 
@@ -42,3 +43,13 @@ def test_batch_masks_context_before_each_anchor():
         assert mask[j * B, :32].sum() == a  # context rows 0..a-1 only
         assert mask[j * B, 32:].sum() == B  # its own block only
         assert a >= 5 and a + B - 1 < L
+
+
+def test_bad_corpus_or_layers_is_one_error_line(tmp_path, capsys):
+    from mlx_engine.train.dflash import main as train_dflash
+
+    for argv, said in ((["--corpus", str(tmp_path / "missing.jsonl")], "--corpus: no such file"),
+                       (["--layers", "a,b"], "--layers must be")):
+        with pytest.raises(SystemExit) as e:
+            train_dflash(["--out", str(tmp_path / "out"), *argv])
+        assert e.value.code == 2 and said in capsys.readouterr().err

@@ -151,6 +151,13 @@ def main(argv=None) -> int:
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args(argv)
+    missing = [f for f in a.corpus.split(",") if not Path(f).is_file()]
+    if missing:
+        ap.error(f"--corpus: no such file: {', '.join(missing)}")
+    try:
+        [int(x) for x in a.layers.split(",")]
+    except ValueError:
+        ap.error(f"--layers must be comma-separated layer numbers, got {a.layers!r}")
     from ..models import load
     from ..target.model import Target
 
