@@ -4,6 +4,8 @@ the learning-rate schedule."""
 
 from __future__ import annotations
 
+import mlx.core as mx
+import mlx.nn as nn
 import mlx.optimizers as optim
 import numpy as np
 
@@ -54,3 +56,22 @@ def schedule(lr: float, steps: int, warmup: int):
     return optim.join_schedules(
         [optim.linear_schedule(lr * 0.01, lr, warmup), optim.cosine_decay(lr, max(1, steps - warmup), lr * 0.1)],
         [warmup])
+
+
+def train_step_fn(module: nn.Module, opt, loss, clip: float, compile: bool):
+    """One optimizer step of `module` on `loss(*inputs) -> (loss, metric)`: forward, backward, gradient
+    clipping (clip > 0), update; `mx.compile`d over the module's and the optimizer's state when asked.
+    Returns step(*inputs) -> (loss, metric)."""
+    value_and_grad = nn.value_and_grad(module, loss)
+
+    def step(*inputs):
+        (value, metric), grads = value_and_grad(*inputs)
+        if clip > 0:
+            grads, _ = optim.clip_grad_norm(grads, clip)
+        opt.update(module, grads)
+        return value, metric
+
+    if compile:
+        state = [module.state, opt.state]
+        return mx.compile(step, inputs=state, outputs=state)
+    return step

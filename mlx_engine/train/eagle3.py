@@ -33,7 +33,6 @@ from pathlib import Path
 from .. import _platform  # noqa: F401  OpenBLAS before mlx
 
 import mlx.core as mx  # noqa: E402
-import mlx.nn as nn  # noqa: E402
 import mlx.optimizers as optim  # noqa: E402
 import numpy as np  # noqa: E402
 from mlx.utils import tree_flatten, tree_map  # noqa: E402
@@ -42,7 +41,7 @@ from ..drafters.eagle3 import Eagle3Head, default_aux_ids  # noqa: E402
 from ..drafters.vocab_subset import output_rows  # noqa: E402
 from ..target.hidden import HiddenRequest  # noqa: E402
 from . import mtp  # noqa: E402
-from .batches import batch_order, choose_subset, make_windows  # noqa: E402
+from .batches import batch_order, choose_subset, make_windows, schedule, train_step_fn  # noqa: E402
 from .corpus import GENERATED, _text_rows, generate_corpus_resumable, log, read_corpus, save_corpus  # noqa: E402
 
 FEATURES = "eagle3_corpus.safetensors"
@@ -208,7 +207,7 @@ class Eagle3Trainer(mtp.Trainer):
         mx.eval(self.W, self.tokens, self.hidden)
         self.n_windows = self.hid_idx.shape[0]
         self.n_slots = int(self.mask.sum())
-        self.opt = optim.AdamW(learning_rate=mtp.schedule(args.lr, args.steps, args.warmup),
+        self.opt = optim.AdamW(learning_rate=schedule(args.lr, args.steps, args.warmup),
                                weight_decay=args.weight_decay)
         self.opt.init(head.trainable_parameters())
         self.step = 0
@@ -248,20 +247,8 @@ class Eagle3Trainer(mtp.Trainer):
         return total / weight_sum, agree0
 
     def _make_step(self):
-        head, opt, clip = self.head, self.opt, self.args.clip
-        value_and_grad = nn.value_and_grad(head, lambda *a: self._loss(head, *a))
-
-        def step(f, es, ths, ms, W):
-            (loss, agree), grads = value_and_grad(f, es, ths, ms, W)
-            if clip > 0:
-                grads, _ = optim.clip_grad_norm(grads, clip)
-            opt.update(head, grads)
-            return loss, agree
-
-        if self.args.compile:
-            state = [head.state, opt.state]
-            return mx.compile(step, inputs=state, outputs=state)
-        return step
+        head = self.head
+        return train_step_fn(head, self.opt, lambda *a: self._loss(head, *a), self.args.clip, self.args.compile)
 
     def train_step(self):
         if self._compiled is None:

@@ -44,14 +44,13 @@ from pathlib import Path
 from .. import _platform  # noqa: F401  OpenBLAS before mlx
 
 import mlx.core as mx  # noqa: E402
-import mlx.nn as nn  # noqa: E402
 import mlx.optimizers as optim  # noqa: E402
 import numpy as np  # noqa: E402
 from mlx.utils import tree_flatten, tree_map, tree_unflatten  # noqa: E402
 
 from ..args import ArgumentParser, HelpFormatter, count, finite  # noqa: E402
 from ..drafters.vocab_subset import SUBSET_KEY, output_rows  # noqa: E402
-from .batches import batch_order, choose_subset, make_windows, schedule  # noqa: E402
+from .batches import batch_order, choose_subset, make_windows, schedule, train_step_fn  # noqa: E402
 from .corpus import GENERATED, generate_corpus_resumable, load_corpora, log, read_corpus  # noqa: E402
 
 CKPT = "checkpoint"
@@ -131,21 +130,9 @@ class Trainer:
         return (kl * mask).sum() / denom, (agree * mask).sum() / denom
 
     def _make_step(self):
-        layer, opt = self.layer, self.opt
-        value_and_grad = nn.value_and_grad(layer, lambda e, h, th, m, W: self._loss(layer, e, h, th, m, W))
-        clip = self.args.clip
-
-        def step(e, h, th, mask, W):
-            (loss, agree), grads = value_and_grad(e, h, th, mask, W)
-            if clip > 0:
-                grads, _ = optim.clip_grad_norm(grads, clip)
-            opt.update(layer, grads)
-            return loss, agree
-
-        if self.args.compile:
-            state = [layer.state, opt.state]
-            return mx.compile(step, inputs=state, outputs=state)
-        return step
+        layer = self.layer
+        return train_step_fn(layer, self.opt, lambda e, h, th, m, W: self._loss(layer, e, h, th, m, W),
+                             self.args.clip, self.args.compile)
 
     def train_step(self):
         if self._compiled is None:
