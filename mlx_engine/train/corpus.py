@@ -229,3 +229,17 @@ def load_corpora(files: list[str], target, tokenizer, out: Path, batch: int = 8)
             save_corpus(cache, enc, {"signature": sig})
             seqs += enc
     return [s for s in seqs if len(s[0]) >= 3]
+
+
+def frozen_target(model: str | None):
+    """(loaded model, Target) of `model` (default: the embedded one), frozen: what every trainer distils from."""
+    from ..models import load
+    from ..target.model import Target
+
+    if model is None:
+        from ..models.default import default_model_path
+
+        model = str(default_model_path())
+    m = load(model)
+    m.model.freeze()
+    return m, Target(m.model)

@@ -42,7 +42,9 @@ from ..drafters.vocab_subset import output_rows  # noqa: E402
 from ..target.hidden import HiddenRequest  # noqa: E402
 from . import mtp  # noqa: E402
 from .batches import batch_order, choose_subset, make_windows, schedule, train_step_fn  # noqa: E402
-from .corpus import GENERATED, _text_rows, generate_corpus_resumable, log, read_corpus, save_corpus  # noqa: E402
+from .corpus import (  # noqa: E402
+    GENERATED, _text_rows, frozen_target, generate_corpus_resumable, log, read_corpus, save_corpus,
+)
 
 FEATURES = "eagle3_corpus.safetensors"
 CONFIG, WEIGHTS, INFO = "config.json", "model.safetensors", "eagle3.json"
@@ -330,20 +332,10 @@ def main(argv=None) -> int:
     if args.steps == 0:
         log("--steps 0: nothing to train (no model loaded, no corpus read, nothing written)")
         return 0
-    from ..models import load
-    from ..target.model import Target
-
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    model_src = args.model
-    if model_src is None:
-        from ..models.default import default_model_path
-
-        model_src = str(default_model_path())
     t_start = time.perf_counter()
-    m = load(model_src)
-    m.model.freeze()
-    target = Target(m.model)
+    m, target = frozen_target(args.model)
     boundaries, request = feature_request(len(target.layers))
     try:
         seqs, corpus_desc = load_features(args, m, target, out, request)
@@ -396,7 +388,7 @@ def main(argv=None) -> int:
         raise
     trainer.save(ckpt, extra())
     a = m.config
-    info = {"format": "eagle3", "model": str(model_src), "corpus": corpus_desc, "corpus_sequences": len(seqs),
+    info = {"format": "eagle3", "model": str(m.path), "corpus": corpus_desc, "corpus_sequences": len(seqs),
             "corpus_tokens": n_tokens, "steps": trainer.step, "batch": args.batch, "seq_len": args.seq_len,
             "ttt": args.ttt, "ttt_decay": args.ttt_decay, "lr": args.lr,
             "train_minutes": round((elapsed_before + time.perf_counter() - t_train) / 60, 2),

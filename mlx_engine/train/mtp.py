@@ -51,7 +51,7 @@ from mlx.utils import tree_flatten, tree_map, tree_unflatten  # noqa: E402
 from ..args import ArgumentParser, HelpFormatter, count, finite  # noqa: E402
 from ..drafters.vocab_subset import SUBSET_KEY, output_rows  # noqa: E402
 from .batches import batch_order, choose_subset, make_windows, schedule, train_step_fn  # noqa: E402
-from .corpus import GENERATED, generate_corpus_resumable, load_corpora, log, read_corpus  # noqa: E402
+from .corpus import GENERATED, frozen_target, generate_corpus_resumable, load_corpora, log, read_corpus  # noqa: E402
 
 CKPT = "checkpoint"
 
@@ -222,20 +222,10 @@ def main(argv=None) -> int:
         log("--steps 0: nothing to train (no model loaded, no corpus generated, nothing written)")
         return 0
     from ..drafters.mtp import trained
-    from ..models import load
-    from ..target.model import Target
-
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    model_src = args.model
-    if model_src is None:
-        from ..models.default import default_model_path
-
-        model_src = str(default_model_path())
     t_start = time.perf_counter()
-    m = load(model_src)
-    m.model.freeze()
-    target = Target(m.model)
+    m, target = frozen_target(args.model)
     cfg = m.config
     stop = set(getattr(m.tokenizer, "eos_token_ids", None) or [])
 
@@ -309,7 +299,7 @@ def main(argv=None) -> int:
         raise
     trainer.save(ckpt, extra())
     train_seconds = elapsed_before + (time.perf_counter() - t_train)
-    info = {"model": str(model_src), "corpus": corpus_desc, "corpus_sequences": len(seqs),
+    info = {"model": str(m.path), "corpus": corpus_desc, "corpus_sequences": len(seqs),
             "corpus_tokens": n_tokens, "steps": trainer.step, "batch": args.batch, "seq_len": args.seq_len,
             "lr": args.lr, "train_minutes": round(train_seconds / 60, 2),
             "final_loss": history[-1][1] if history else None,
