@@ -361,37 +361,17 @@ def main(argv=None) -> int:
     init_head(head, target, ids, args.init)
     mx.eval(head.parameters())
     trainer = Eagle3Trainer(target, head, subset, seqs, args)
-    history: list = []
-    elapsed_before = 0.0
-    if args.resume and (ckpt / "state.json").is_file():
-        st = trainer.load(ckpt)
-        history, elapsed_before = st.get("history", []), st.get("train_seconds", 0.0)
-        log(f"resumed from {ckpt} at step {trainer.step}")
     n_tokens = sum(len(t) for t, _ in seqs)
     n_params = sum(v.size for _, v in tree_flatten(head.parameters()))
-    log(f"corpus: {len(seqs)} sequences, {n_tokens} tokens, {trainer.n_slots} slots in {trainer.n_windows} "
+    history, train_seconds = mtp.resume_and_train(trainer, args, ckpt, subset, t_start, lambda: log(
+        f"corpus: {len(seqs)} sequences, {n_tokens} tokens, {trainer.n_slots} slots in {trainer.n_windows} "
         f"windows of {args.seq_len}; features at boundaries {boundaries}; head {n_params / 1e6:.2f}M parameters, "
-        f"draft vocabulary {int(ids.shape[0])}; TTT depth {args.ttt}; steps {trainer.step}->{args.steps}")
-
-    def extra():
-        return {"subset": None if subset is None else subset.tolist(), "history": history,
-                "train_seconds": elapsed_before + (time.perf_counter() - t_train),
-                "args": {k: v for k, v in vars(args).items() if k not in ("resume", "stop_after", "minutes")}}
-
-    t_train = time.perf_counter()
-    start_step = trainer.step
-    try:
-        mtp.train_loop(trainer, args, ckpt, extra, history, t_start, t_train, start_step)
-    except KeyboardInterrupt:
-        trainer.save(ckpt, extra())
-        log(f"interrupted at step {trainer.step}: checkpoint saved in {ckpt}; the same command with --resume goes on")
-        raise
-    trainer.save(ckpt, extra())
+        f"draft vocabulary {int(ids.shape[0])}; TTT depth {args.ttt}; steps {trainer.step}->{args.steps}"))
     a = m.config
     info = {"format": "eagle3", "model": str(m.path), "corpus": corpus_desc, "corpus_sequences": len(seqs),
             "corpus_tokens": n_tokens, "steps": trainer.step, "batch": args.batch, "seq_len": args.seq_len,
             "ttt": args.ttt, "ttt_decay": args.ttt_decay, "lr": args.lr,
-            "train_minutes": round((elapsed_before + time.perf_counter() - t_train) / 60, 2),
+            "train_minutes": round(train_seconds / 60, 2),
             "final_loss": history[-1][1] if history else None,
             "final_top1_agree_step0": history[-1][2] if history else None,
             "rms_norm_eps": a.get("rms_norm_eps", 1e-6), "rope_theta": a.get("rope_theta", 10000.0)}

@@ -268,37 +268,11 @@ def main(argv=None) -> int:
     init_head(head, target, args.init)
     mx.eval(head.parameters())
     trainer = Trainer(target, head, subset, seqs, args)
-    history: list = []
-    elapsed_before = 0.0
-    if args.resume:
-        if (ckpt / "state.json").is_file():
-            st = trainer.load(ckpt)
-            history = st.get("history", [])
-            elapsed_before = st.get("train_seconds", 0.0)
-            log(f"resumed from {ckpt} at step {trainer.step}")
-        else:
-            log(f"no checkpoint in {ckpt}: starting from scratch")
     n_params = sum(v.size for _, v in tree_flatten(head.parameters()))
-    log(f"corpus: {len(seqs)} sequences, {n_tokens} tokens, {trainer.n_slots} training slots in "
+    history, train_seconds = resume_and_train(trainer, args, ckpt, subset, t_start, lambda: log(
+        f"corpus: {len(seqs)} sequences, {n_tokens} tokens, {trainer.n_slots} training slots in "
         f"{trainer.n_windows} windows of {args.seq_len}; head: {n_params / 1e6:.2f}M parameters; "
-        f"steps {trainer.step}->{args.steps}, batch {args.batch}")
-
-    def extra():
-        return {"subset": None if subset is None else subset.tolist(), "history": history,
-                "train_seconds": elapsed_before + (time.perf_counter() - t_train),
-                "args": {k: v for k, v in vars(args).items() if k not in ("resume", "stop_after", "minutes")}}
-
-    t_train = time.perf_counter()
-    start_step = trainer.step
-    try:
-        train_loop(trainer, args, ckpt, extra, history, t_start, t_train, start_step)
-    except KeyboardInterrupt:  # keep what was trained: a checkpoint to --resume from
-        trainer.save(ckpt, extra())
-        log(f"interrupted at step {trainer.step}: checkpoint saved in {ckpt}; run the same command with --resume "
-            f"to continue")
-        raise
-    trainer.save(ckpt, extra())
-    train_seconds = elapsed_before + (time.perf_counter() - t_train)
+        f"steps {trainer.step}->{args.steps}, batch {args.batch}"))
     info = {"model": str(m.path), "corpus": corpus_desc, "corpus_sequences": len(seqs),
             "corpus_tokens": n_tokens, "steps": trainer.step, "batch": args.batch, "seq_len": args.seq_len,
             "lr": args.lr, "train_minutes": round(train_seconds / 60, 2),
@@ -308,6 +282,36 @@ def main(argv=None) -> int:
     log(f"wrote {path} ({path.stat().st_size / 1e6:.1f} MB) and {out / 'mtp.json'}; "
         f"use: --drafter mtp --mtp-weights {path}")
     return 0
+
+
+def resume_and_train(trainer, args, ckpt: Path, subset, t_start: float, announce) -> tuple[list, float]:
+    """--resume from the checkpoint in `ckpt`, announce(), train to --steps, checkpoint on Ctrl-C and at the
+    end. Returns (the loss history, seconds trained over every run)."""
+    history, elapsed_before = [], 0.0
+    if args.resume:
+        if (ckpt / "state.json").is_file():
+            st = trainer.load(ckpt)
+            history, elapsed_before = st.get("history", []), st.get("train_seconds", 0.0)
+            log(f"resumed from {ckpt} at step {trainer.step}")
+        else:
+            log(f"no checkpoint in {ckpt}: starting from scratch")
+    announce()
+
+    def extra():
+        return {"subset": None if subset is None else subset.tolist(), "history": history,
+                "train_seconds": elapsed_before + (time.perf_counter() - t_train),
+                "args": {k: v for k, v in vars(args).items() if k not in ("resume", "stop_after", "minutes")}}
+
+    t_train = time.perf_counter()
+    try:
+        train_loop(trainer, args, ckpt, extra, history, t_start, t_train, trainer.step)
+    except KeyboardInterrupt:  # keep what was trained: a checkpoint to --resume from
+        trainer.save(ckpt, extra())
+        log(f"interrupted at step {trainer.step}: checkpoint saved in {ckpt}; run the same command with --resume "
+            f"to continue")
+        raise
+    trainer.save(ckpt, extra())
+    return history, elapsed_before + (time.perf_counter() - t_train)
 
 
 def train_loop(trainer: Trainer, args, ckpt: Path, extra, history: list, t_start: float, t_train: float,
