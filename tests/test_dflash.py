@@ -5,7 +5,6 @@ left nothing stale); greedy output == mlx-lm's plain decoding for every k; the t
 temperature 1; clear errors for checkpoints it cannot run."""
 
 import functools
-import itertools
 import json
 
 import mlx.core as mx
@@ -145,23 +144,12 @@ def test_context_after_partial_accepts_equals_fresh_prefill(root, variant):
 
 @pytest.mark.parametrize("n_samples", [400, pytest.param(1500, marks=pytest.mark.slow)])
 def test_distribution_at_temperature_one(tmp_path, n_samples):
-    from test_distribution import PROMPT as P, VOCAB as V, chi_square_p_value, exact_joint
+    from test_distribution import VOCAB as V, assert_follows_target
 
     model = tiny_models.build("qwen3", seed=3, vocab=V)[0]
     d.write_dflash(tmp_path / "a", 48, V, seed=4, layer_ids=(0, 1), mask_token_id=V - 1)
     engine = Engine(model, DFlashDrafter(load_dflash(tmp_path / "a"), model))
-    cfg = SamplingConfig(temperature=1.0)
-    counts = np.zeros((V, V))
-    accepted = 0
-    for seed in range(n_samples):
-        gen = GenerationConfig(max_tokens=4, num_draft=2, sampling=cfg, seed=seed)
-        toks = [t for s in itertools.islice(engine.generate(P, gen), 2) for t in s.tokens]
-        counts[toks[0], toks[1]] += 1
-        accepted += engine.stats.accepted_at[0] if engine.stats.accepted_at else 0
-    assert 0 < accepted < n_samples
-    expected = exact_joint(model, cfg) * n_samples
-    assert np.all(counts[expected == 0] == 0)
-    assert chi_square_p_value(counts.ravel(), expected.ravel()) > 1e-3
+    assert_follows_target(engine, model, SamplingConfig(temperature=1.0), n_samples)
 
 
 def test_bad_checkpoints_are_refused(tmp_path):

@@ -46,6 +46,26 @@ def exact_joint(model, cfg: SamplingConfig, prompt: list[int] = PROMPT) -> np.nd
     return np.stack([p1[a] * dist(prompt + [a]) for a in range(VOCAB)])
 
 
+def assert_follows_target(engine, model, cfg: SamplingConfig, n_samples: int = N_SAMPLES, prompt=PROMPT,
+                          speculative: bool = True) -> None:
+    """The first two tokens the engine generates over n_samples seeds (the second from one k = 2 cycle)
+    follow the target's exact joint distribution (chi-square), and never a probability-0 token."""
+    vocab = exact_joint(model, cfg, prompt).shape[0]
+    counts = np.zeros((vocab, vocab))
+    accepted = 0
+    for seed in range(n_samples):
+        gen = GenerationConfig(max_tokens=4, num_draft=2, sampling=cfg, seed=seed)
+        steps = itertools.islice(engine.generate(prompt, gen), 2)  # the first token, then one k=2 cycle
+        tokens = [t for step in steps for t in step.tokens]
+        counts[tokens[0], tokens[1]] += 1
+        accepted += engine.stats.accepted_at[0] if engine.stats.accepted_at else 0
+    expected = exact_joint(model, cfg, prompt) * n_samples
+    if speculative:
+        assert 0 < accepted < n_samples, "drafts must be accepted sometimes and rejected sometimes"
+    assert np.all(counts[expected == 0] == 0), "sampled a token the target gives probability 0"
+    assert chi_square_p_value(counts.ravel(), expected.ravel()) > 1e-3
+
+
 CONFIGS = {
     "temperature 1": SamplingConfig(temperature=1.0),
     "top-p 0.8": SamplingConfig(temperature=1.0, top_p=0.8),
@@ -62,19 +82,7 @@ def test_first_two_tokens_follow_target_distribution(name, speculative):
     model = tiny_models.build("llama", seed=1, vocab=VOCAB, num_hidden_layers=1)[0]
     draft = tiny_models.build("llama", seed=2, vocab=VOCAB, num_hidden_layers=1)[0]
     engine = Engine(model, DraftModelDrafter(draft, VOCAB) if speculative else None)
-    counts = np.zeros((VOCAB, VOCAB))
-    accepted = 0
-    for seed in range(N_SAMPLES):
-        gen = GenerationConfig(max_tokens=4, num_draft=2, sampling=cfg, seed=seed)
-        steps = itertools.islice(engine.generate(PROMPT, gen), 2)  # the first token, then one k=2 cycle
-        tokens = [t for step in steps for t in step.tokens]
-        counts[tokens[0], tokens[1]] += 1
-        accepted += engine.stats.accepted_at[0] if engine.stats.accepted_at else 0
-    expected = exact_joint(model, cfg) * N_SAMPLES
-    if speculative:
-        assert 0 < accepted < N_SAMPLES, "drafts must be accepted sometimes and rejected sometimes"
-    assert np.all(counts[expected == 0] == 0), "sampled a token the target gives probability 0"
-    assert chi_square_p_value(counts.ravel(), expected.ravel()) > 1e-3
+    assert_follows_target(engine, model, cfg, speculative=speculative)
 
 
 def test_chi_square_detects_a_wrong_distribution():

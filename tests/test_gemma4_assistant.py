@@ -4,7 +4,6 @@ reads after partial accepts == a fresh prefill of the committed prefix (the targ
 sliding window included, is the only rollback)."""
 
 import functools
-import itertools
 
 import mlx.core as mx
 import numpy as np
@@ -130,24 +129,13 @@ def test_rollback_is_exact_after_partial_accepts(root, echo, temperature, k):
 
 @pytest.mark.parametrize("n_samples", [400, pytest.param(1500, marks=pytest.mark.slow)])
 def test_distribution_at_temperature_one(tmp_path, n_samples):
-    from test_distribution import PROMPT as P, VOCAB as V, chi_square_p_value, exact_joint
+    from test_distribution import VOCAB as V, assert_follows_target
 
     model = g.build_target(V, seed=3)
     path = tmp_path / "a"
     g.write_assistant(path, V, seed=4)
     engine = Engine(model, Gemma4AssistantDrafter(load_assistant(path), model))
-    cfg = SamplingConfig(temperature=1.0)
-    counts = np.zeros((V, V))
-    accepted = 0
-    for seed in range(n_samples):
-        gen = GenerationConfig(max_tokens=4, num_draft=2, sampling=cfg, seed=seed)
-        toks = [t for s in itertools.islice(engine.generate(P, gen), 2) for t in s.tokens]
-        counts[toks[0], toks[1]] += 1
-        accepted += engine.stats.accepted_at[0] if engine.stats.accepted_at else 0
-    assert 0 < accepted < n_samples
-    expected = exact_joint(model, cfg) * n_samples
-    assert np.all(counts[expected == 0] == 0)
-    assert chi_square_p_value(counts.ravel(), expected.ravel()) > 1e-3
+    assert_follows_target(engine, model, SamplingConfig(temperature=1.0), n_samples)
 
 
 def test_batch_engine_leaves_it_to_the_single_sequence_engine(root):
