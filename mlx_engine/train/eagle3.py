@@ -41,7 +41,7 @@ from ..drafters.eagle3 import Eagle3Head, default_aux_ids  # noqa: E402
 from ..drafters.vocab_subset import output_rows  # noqa: E402
 from ..target.hidden import HiddenRequest  # noqa: E402
 from . import mtp  # noqa: E402
-from .batches import batch_order, choose_subset, make_windows, schedule, train_step_fn  # noqa: E402
+from .batches import batch_order, choose_subset, make_windows, schedule  # noqa: E402
 from .corpus import (  # noqa: E402
     GENERATED, _text_rows, frozen_target, generate_corpus_resumable, log, read_corpus, save_corpus,
 )
@@ -248,18 +248,10 @@ class Eagle3Trainer(mtp.Trainer):
                 agree0 = ((mx.argmax(s, -1) == mx.argmax(t, -1)).astype(mx.float32) * m).sum() / denom
         return total / weight_sum, agree0
 
-    def _make_step(self):
-        head = self.head
-        return train_step_fn(head, self.opt, lambda *a: self._loss(head, *a), self.args.clip, self.args.compile)
-
-    def train_step(self):
-        if self._compiled is None:
-            self._compiled = self._make_step()
-        f, es, ths, ms = self.inputs(self.step)
-        loss, agree = self._compiled(f, es, ths, ms, self.W)
-        mx.eval(loss, agree, self.head.parameters(), self.opt.state)
-        self.step += 1
-        return float(loss), float(agree), float(ms[0].sum())
+    @staticmethod
+    def slots(inputs) -> mx.array:
+        """The slots of TTT step 0 (later steps train on the same slots' own continuations)."""
+        return inputs[-1][0].sum()
 
 
 # -- the command ----------------------------------------------------------------------------------------------

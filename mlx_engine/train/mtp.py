@@ -131,17 +131,21 @@ class Trainer:
 
     def _make_step(self):
         layer = self.layer
-        return train_step_fn(layer, self.opt, lambda e, h, th, m, W: self._loss(layer, e, h, th, m, W),
-                             self.args.clip, self.args.compile)
+        return train_step_fn(layer, self.opt, lambda *a: self._loss(layer, *a), self.args.clip, self.args.compile)
 
     def train_step(self):
         if self._compiled is None:
             self._compiled = self._make_step()
-        e, h, th, mask = self.inputs(self.step)
-        loss, agree = self._compiled(e, h, th, mask, self.W)
+        inputs = self.inputs(self.step)
+        loss, agree = self._compiled(*inputs, self.W)
         mx.eval(loss, agree, self.layer.parameters(), self.opt.state)
         self.step += 1
-        return float(loss), float(agree), float(mask.sum())
+        return float(loss), float(agree), float(self.slots(inputs))
+
+    @staticmethod
+    def slots(inputs) -> mx.array:
+        """The training slots a step's inputs hold: the ones of its mask (the last input)."""
+        return inputs[-1].sum()
 
     # -- checkpoints --
     def save(self, folder: Path, extra: dict) -> None:
