@@ -247,6 +247,7 @@ class Engine:
             t_cycle = time.perf_counter()
             profile = cfg.profile_every > 0 and stats.cycles % cfg.profile_every == 0
             draft_key, dkey = mx.random.split(draft_key)
+            self._feed_replay(want_hidden)  # before the drafter (it may read the target cache) and the checkpoint
             draft = self._propose(k, sampling, dkey, profile)
             k = draft.tokens.shape[0]
             ckpt, logits, hidden = self._verify(draft, want_hidden, profile)
@@ -297,8 +298,6 @@ class Engine:
 
     def _propose(self, k: int, sampling: SamplingConfig, key: mx.array, profile: bool) -> Draft:
         """The drafter's k tokens (lazy); the device starts on them while Python builds the verify graph."""
-        if getattr(self.drafter, "reads_target_cache", False):
-            self._feed_replay(hidden_request(self.drafter))  # it drafts from the cache of the whole prefix
         draft = self.drafter.propose(k, sampling, key)
         host.start(draft.tokens)
         if profile:
@@ -309,7 +308,6 @@ class Engine:
 
     def _verify(self, draft: Draft, want_hidden: HiddenRequest | None, profile: bool):
         """Score [last, d_1..d_k] in one target pass after a cache checkpoint. -> (ckpt, logits [k+1, V], hidden)."""
-        self._feed_replay(want_hidden)
         k = draft.tokens.shape[0]
         inputs = mx.concatenate([mx.array([self._last], dtype=mx.int32), draft.tokens])
         ckpt = cache_ops.checkpoint(self.cache, inputs.shape[0])
@@ -322,8 +320,9 @@ class Engine:
         return ckpt, logits, hidden
 
     def _feed_replay(self, want_hidden: HiddenRequest | None) -> None:
-        """Feed the kept tokens a snapshot rollback handed back, in a pass of their own (so the next
-        checkpoint comes after them; a drafter reading the target cache sees them before it drafts)."""
+        """Feed the kept tokens a snapshot rollback handed back, in a pass of their own at the start of a
+        drafting cycle: the verify checkpoint comes after them, and a drafter reading the target cache sees
+        the whole prefix."""
         if self._replay:
             _, h = self.target.forward(mx.array(self._replay, dtype=mx.int32), self.cache, want_hidden)
             self._fed(self._replay, h)
