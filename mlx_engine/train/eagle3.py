@@ -41,7 +41,7 @@ from ..drafters.eagle3 import Eagle3Head, default_aux_ids  # noqa: E402
 from ..drafters.vocab_subset import output_rows  # noqa: E402
 from ..target.hidden import HiddenRequest  # noqa: E402
 from . import mtp  # noqa: E402
-from .batches import batch_order, choose_subset, make_windows, schedule  # noqa: E402
+from .batches import batch_order, make_windows, schedule  # noqa: E402
 from .corpus import (  # noqa: E402
     GENERATED, _text_rows, frozen_target, generate_corpus_resumable, log, read_corpus, save_corpus,
 )
@@ -340,13 +340,7 @@ def main(argv=None) -> int:
     vocab = target.vocab_size
     stop = set(getattr(m.tokenizer, "eos_token_ids", None) or [])
     ckpt = out / mtp.CKPT
-    subset = None
-    if args.resume and (ckpt / "state.json").is_file():
-        saved = json.loads((ckpt / "state.json").read_text())
-        if saved.get("subset") is not None:
-            subset = np.array(saved["subset"], dtype=np.int32)
-    elif args.vocab_subset and args.vocab_subset < vocab:
-        subset = choose_subset(seqs, args.vocab_subset, vocab, always=stop)
+    subset = mtp.draft_subset(args, ckpt, seqs, vocab, stop)
     ids = mx.arange(vocab, dtype=mx.int32) if subset is None else mx.array(subset)
     mx.random.seed(args.seed)
     head = build_head(m.model, int(ids.shape[0]))

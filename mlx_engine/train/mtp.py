@@ -256,13 +256,7 @@ def main(argv=None) -> int:
     vocab = target.vocab_size
 
     ckpt = out / CKPT
-    subset = None
-    if args.resume and (ckpt / "state.json").is_file():
-        saved = json.loads((ckpt / "state.json").read_text())
-        if saved.get("subset") is not None:
-            subset = np.array(saved["subset"], dtype=np.int32)
-    elif args.vocab_subset and args.vocab_subset < vocab:
-        subset = choose_subset(seqs, args.vocab_subset, vocab, always=stop)
+    subset = draft_subset(args, ckpt, seqs, vocab, stop)
     if subset is not None:
         cover = np.isin(np.concatenate([t for t, _ in seqs]), subset).mean()
         log(f"draft vocabulary: {len(subset)} of {vocab} tokens, covering {cover:.1%} of the corpus tokens")
@@ -286,6 +280,17 @@ def main(argv=None) -> int:
     log(f"wrote {path} ({path.stat().st_size / 1e6:.1f} MB) and {out / 'mtp.json'}; "
         f"use: --drafter mtp --mtp-weights {path}")
     return 0
+
+
+def draft_subset(args, ckpt: Path, seqs, vocab: int, stop) -> np.ndarray | None:
+    """The draft vocabulary: the resumed checkpoint's, else --vocab-subset N chosen from the corpus, else None
+    (the full vocabulary)."""
+    if args.resume and (ckpt / "state.json").is_file():
+        saved = json.loads((ckpt / "state.json").read_text())
+        return None if saved.get("subset") is None else np.array(saved["subset"], dtype=np.int32)
+    if args.vocab_subset and args.vocab_subset < vocab:
+        return choose_subset(seqs, args.vocab_subset, vocab, always=stop)
+    return None
 
 
 def resume_and_train(trainer, args, ckpt: Path, subset, t_start: float, announce) -> tuple[list, float]:
