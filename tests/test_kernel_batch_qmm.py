@@ -80,10 +80,11 @@ def test_rows_are_bit_identical_to_one_row_launches_and_close_to_the_reference(k
 
 
 @pytest.mark.parametrize("dialect", DIALECTS)
-def test_columns_per_warp_and_warps_do_not_change_any_bit(kernels, dialect):
+def test_columns_per_warp_warps_and_prefetch_do_not_change_any_bit(kernels, dialect):
     k = kernels[dialect]
     x, w, s, b, gs, bits = dense_case(4, 64, mx.float32, M=7)
     outs = [run(k, Q.launch_spec(x, w, s, b, gs, bits, cols=r, warps=sg))[0] for r, sg in FREE]
+    outs.append(run(k, Q.launch_spec(x, w, s, b, gs, bits, prefetch=False))[0])
     for y in outs[1:]:
         np.testing.assert_array_equal(y, outs[0])
 
@@ -156,3 +157,18 @@ def test_the_registry_probes_accept_the_emulated_kernels(kernels, dialect):
 
     for name, spec in (("batch_qmm", Q.launch_spec), ("gather_qmm", G.launch_spec)):
         assert registry._probe(registry._op(name), emulated(kernels[dialect], spec)) is None
+
+
+def test_launches_stay_within_cudas_65535_threadgroups_along_y():
+    # A 1-column, 1-warp launch over a 128256-row lm_head asked for 128256 threadgroups along y and failed
+    # to launch on an H100 (cuGraphAddKernelNode: invalid argument); launch_spec widens the threadgroup.
+    x = mx.zeros((1, 64), mx.bfloat16)
+    w = mx.zeros((128256, 8), mx.uint32)
+    s = mx.zeros((128256, 1), mx.bfloat16)
+    spec = Q.launch_spec(x, w, s, s, 64, 4, cols=1, warps=1)
+    assert spec.grid[1] // spec.threadgroup[1] <= 65535
+    assert spec.grid[1] * 1 >= 128256  # every column still has a warp
+
+
+def test_row_bound_is_the_smallest_compiled_bound_that_holds_the_rows():
+    assert [Q.row_bound(m) for m in range(1, 17)] == [1, 2, 4, 4] + [8] * 4 + [16] * 8

@@ -74,8 +74,8 @@ def gpu_decoding() -> bool:
 
 # The batch-invariant path becomes the default decode path on GPUs once it is as fast as stock decoding
 # there. Measured on an H100 (issue 12: Llama-3-8B-shaped, 4-bit, bf16): its 1-token forward takes
-# 17.3 ms against stock's 8.9 (attention and the few-column projections are slower than MLX's), so
-# plain decoding would run at 0.53x. Until then it is opt-in: Engine(batch_invariant=True), or
+# 11.0 ms against stock's 7.6 (attention and the small projections are slower than MLX's), so plain
+# decoding ran at 76 tok/s against stock's 124 (docs/kernels.md). Until then it is opt-in: Engine(batch_invariant=True), or
 # --batch-invariant on the command line.
 INVARIANT_BY_DEFAULT_ON_GPU = False
 

@@ -31,10 +31,21 @@ NAME = "batch_attention"
 INPUT_NAMES = ("q", "k", "v", "qp", "kp", "scale")
 OUTPUT_NAMES = ("out",)
 CONTIGUOUS = False  # k and v are KV-cache views: read through their strides, never copied
-WARPS = 8  # SIMD groups per query: part of the order contract, so fixed (never a function of L or Nk);
-#           8 was the fastest of 4 / 8 on an H100 at 512 and 4096 keys, 1 and 8 queries
-KEYS_PER_ITER = 4  # keys a SIMD group scores at once (independent butterflies in flight)
+KEYS_PER_ITER = 8  # keys a SIMD group scores at once (independent butterflies in flight; changes no bit)
 MAX_ROWS = 16
+_PARTIALS_BYTES = 16 * 1024  # threadgroup memory for the SG partial outputs: SG * DV floats
+
+
+def warps_for(dv: int) -> int:
+    """SIMD groups per query: part of the order contract, so a function of the value width only (never of
+    L or Nk). 16 where their partials fit in 16 KiB (DV <= 256; Apple GPUs allow 32 KiB of threadgroup
+    memory), else 8 (MLA's DV = 512). H100 sweep (scripts/gpu/verify_speed.py, 32/8 heads of 128, bf16):
+    16 groups x 8 keys in flight was the best over 512 and 4096 keys and 1, 4, 8 queries (38 us at one
+    query over 512 keys against 39-62 for 8 groups; stock 17.5)."""
+    return max(8, min(16, _PARTIALS_BYTES // (4 * dv)))
+
+
+WARPS = warps_for(128)  # the common head size's count, for callers that print it
 
 
 def _next_pow2(n: int) -> int:
@@ -105,18 +116,32 @@ def supported(q: mx.array, k: mx.array, v: mx.array, qp=None) -> bool:
     )
 
 
-def launch_spec(q, k, v, scale: float, causal: bool = True, qp=None, kp=None, warps=WARPS, keys=KEYS_PER_ITER) -> Launch:
+_consts: dict = {}
+
+
+def _const(key, make) -> mx.array:
+    """A small evaluated constant (the unused qp/kp, the scale), made once: a fresh mx.zeros per call would
+    add a fill kernel to every attention launch."""
+    if key not in _consts:
+        a = make()
+        mx.eval(a)
+        _consts[key] = a
+    return _consts[key]
+
+
+def launch_spec(q, k, v, scale: float, causal: bool = True, qp=None, kp=None, warps=None, keys=KEYS_PER_ITER) -> Launch:
     if not supported(q, k, v, qp):
         raise ValueError(f"unsupported attention shapes q {q.shape}, k {k.shape}, v {v.shape}")
     B, Hq, L, D = q.shape
     if causal and L > k.shape[2]:
         raise ValueError(f"{L} causal queries over {k.shape[2]} keys")
     DV = v.shape[-1]
+    warps = warps or warps_for(DV)
     dp = 0 if qp is None else qp.shape[-1]
     if qp is None:
-        qp = kp = mx.zeros((1, 1, 1, 1), q.dtype)
+        qp = kp = _const(("zeros", q.dtype), lambda: mx.zeros((1, 1, 1, 1), q.dtype))
     return Launch(
-        inputs=[q, k, v, qp, kp, mx.array([scale], mx.float32)],
+        inputs=[q, k, v, qp, kp, _const(("scale", float(scale)), lambda: mx.array([scale], mx.float32))],
         template=[
             ("T", q.dtype), ("D", D), ("DV", DV), ("DP", dp), ("CAUSAL", bool(causal)),
             ("SG", warps), ("KB", keys),

@@ -22,8 +22,9 @@ the order of every row's sums is fixed and independent of the row count:
   * lane accumulator acc_l = (((0 + v_l) + v_{32+l}) + v_{64+l}) + ...   (steps in order);
   * y = pairwise tree over the 32 lane accumulators in lane order (a shuffle_xor 1,2,4,8,16 butterfly).
 
-The kernels (metal_kernels/batch_qmm.metal, .cu) loop over the rows at run time (one compiled kernel
-serves 1 to 16 rows) and take R (columns per warp) from `plan`; neither changes any row's arithmetic. `qmm_reference` computes the same order with elementwise MLX ops (products and sums rounded
+The kernels (metal_kernels/batch_qmm.metal, .cu) unroll their row loops to a compile-time bound MB
+(`row_bound`: 1, 2, 4, 8 or 16, so five compiled kernels serve every row count) with a runtime `m < M`
+guard, and take R (columns per warp) from `plan`; none of these changes any row's arithmetic. `qmm_reference` computes the same order with elementwise MLX ops (products and sums rounded
 separately where the kernels fuse them, so it agrees with them to float rounding; it is batch invariant
 by construction and is what the CPU runs). It materialises [M, tile, K] products: the definition of
 correct, not a fast path (on CPU use fp32 weights or mx.quantized_matmul).
@@ -70,6 +71,12 @@ def plan(n: int, k: int, rows: int) -> tuple[int, int]:
     if rows == 1 and n <= 4096:
         return (2 if n >= 64 else 1), 4
     return 4, 2
+
+
+def row_bound(rows: int) -> int:
+    """The compile-time row bound MB of a launch of `rows` rows: 1, 2, 4, 8 or 16 (the CUDA body unrolls
+    its row loops to MB with a `m < M` guard, so a handful of kernels serve every row count)."""
+    return next(b for b in (1, 2, 4, 8, MAX_ROWS) if rows <= b)
 
 
 def unpack(w: mx.array, bits: int) -> mx.array:
@@ -150,6 +157,7 @@ def launch_spec(
     bits: int = 4,
     cols: int | None = None,
     warps: int | None = None,
+    prefetch: bool = True,
 ) -> Launch:
     """One launch for x [M, K] with 1 <= M <= 16 (cols / warps default to `plan`)."""
     _check(x, w, scales, biases, group_size, bits)
@@ -161,16 +169,31 @@ def launch_spec(
     N = w.shape[0]
     r, sg = plan(N, K, M)
     r, sg = cols or r, warps or sg
+    while -(-N // (r * sg)) > 65535 and sg < 32:  # CUDA allows 65535 threadgroups along y
+        sg *= 2
     return Launch(
-        inputs=[x, w, scales, biases, mx.zeros((1,), mx.uint32)],
+        inputs=[x, w, scales, biases, _no_idx()],
         template=[
             ("T", x.dtype), ("BITS", bits), ("GS", group_size), ("R", r), ("GATHER", False), ("XDIV", 1),
+            ("MB", row_bound(M)), ("PF", prefetch),
         ],
         grid=(LANES, -(-N // r), 1),
         threadgroup=(LANES, sg, 1),
         output_shapes=[(M, N)],
         output_dtypes=[x.dtype],
     )
+
+
+_NO_IDX: list = []
+
+
+def _no_idx() -> mx.array:
+    """The unused idx input of the dense form, made once (a fresh mx.zeros would add a fill kernel per call)."""
+    if not _NO_IDX:
+        a = mx.zeros((1,), mx.uint32)
+        mx.eval(a)
+        _NO_IDX.append(a)
+    return _NO_IDX[0]
 
 
 def kernel(backend: str):
@@ -213,6 +236,8 @@ def probe_cases() -> list[tuple]:
         make_case(3, 320, 12, 32, 8, seed=2),
         make_case(16, 1280, 9, 128, 4, seed=3),
         make_case(2, 256, 33, 64, 4, seed=4, dtype=mx.bfloat16),
+        make_case(9, 2048, 264, 64, 4, seed=5, dtype=mx.bfloat16),  # row bounds 16 and (alone) 1
+        make_case(16, 1024, 96, 32, 8, seed=6, dtype=mx.float16),
     ]
 
 

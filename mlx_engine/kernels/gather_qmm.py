@@ -23,7 +23,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from . import Launch, Op, differs_from_reference
-from .batch_qmm import LANES, MAX_ROWS, _check, kernel, make_case, plan, reference_core, unpack
+from .batch_qmm import LANES, MAX_ROWS, _check, kernel, make_case, plan, reference_core, row_bound, unpack
 
 NAME = "gather_qmm"
 
@@ -56,6 +56,7 @@ def launch_spec(x, w, scales, biases, idx, group_size=64, bits=4, xdiv=1, tokens
         inputs=[x, w, scales, biases, idx.astype(mx.uint32)],
         template=[
             ("T", x.dtype), ("BITS", bits), ("GS", group_size), ("R", r), ("GATHER", True), ("XDIV", xdiv),
+            ("MB", row_bound(tokens)), ("PF", True),
         ],
         grid=(LANES, -(-N // r), idx.shape[0]),
         threadgroup=(LANES, sg, 1),

@@ -246,7 +246,7 @@ def attention_sweep():
                     mx.eval([kern(**A.launch_spec(q, k, v, D**-0.5, True, warps=SG, keys=KB).kwargs())[0] for k, v in zip(kk, vv)])
                 times[f"SG{SG}_KB{KB}"] = med_ms(fused) / 8 * 1e3
             best = min(times, key=times.get)
-            row = dict(N=N, L=L, stock_us=stock, best=best, best_us=times[best], default_us=times.get(f"SG{A.WARPS}_KB{A.KEYS_PER_ITER}"), times=times)
+            row = dict(N=N, L=L, stock_us=stock, best=best, best_us=times[best], default_us=times.get(f"SG{A.warps_for(D)}_KB{A.KEYS_PER_ITER}"), times=times)
             print(f"attention keys={N} L={L:2d}: stock {stock:7.1f} us  best {best} {times[best]:7.1f} us  default {row['default_us']:7.1f} us", flush=True)
             out.append(row)
     return out
