@@ -365,13 +365,27 @@ def e2e():
     return out
 
 
-def main():
+def run_steps(steps, json_name: str) -> None:
+    """Parse --out / --only, run the (name, section) steps in order, rewriting --out/json_name after each
+    (a step that fails or a timeout keeps what the earlier ones measured)."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=".")
     ap.add_argument("--only", default="", help="comma-separated sections")
     args = ap.parse_args()
     print("MLX", mx.__version__, mx.default_device(), flush=True)
     only = set(filter(None, args.only.split(",")))
+    t0 = time.perf_counter()
+    for name, fn in steps:
+        if only and name not in only:
+            continue
+        fn()
+        RES["elapsed_s"] = time.perf_counter() - t0
+        with open(os.path.join(args.out, json_name), "w") as f:
+            json.dump(RES, f, indent=1, default=str)
+    print("done", flush=True)
+
+
+def main():
     steps = [
         ("compile", compile_times), ("registry", registry), ("qmm_correct", qmm_correct), ("gather_correct", gather_correct),
         ("attention_correct", attention_correct), ("qmm_sweep", qmm_sweep), ("attention_sweep", attention_sweep),
@@ -380,13 +394,7 @@ def main():
         ("forward_moe", section("forward_moe")(lambda: forward("qwen3-30b-a3b", 12, [1, 2, 4, 8, 16]))),
         ("e2e", e2e),
     ]
-    for name, fn in steps:
-        if only and name not in only:
-            continue
-        fn()
-        with open(os.path.join(args.out, "kernels.json"), "w") as f:
-            json.dump(RES, f, indent=1, default=str)
-    print("done", flush=True)
+    run_steps(steps, "kernels.json")
 
 
 if __name__ == "__main__":

@@ -8,11 +8,8 @@ tensor-core qmm at 8-16 rows costs about what its 1-row qmv does. Checked here b
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import sys
-import time
 
 import mlx.core as mx
 
@@ -103,13 +100,6 @@ def use(P, SG=16, KB=8):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=".")
-    ap.add_argument("--only", default="")
-    args = ap.parse_args()
-    print("MLX", mx.__version__, mx.default_device(), flush=True)
-    only = set(filter(None, args.only.split(",")))
-
     def fwd(P, name, layers, lengths):
         use(P)
         return KG.forward(name, layers, lengths)
@@ -120,15 +110,7 @@ def main():
         ("forward_pad8", KG.section("forward_pad8")(lambda: fwd(8, "llama-8b", None, [1, 2, 4, 6, 8]))),
         ("forward_moe_pad16", KG.section("forward_moe_pad16")(lambda: fwd(16, "qwen3-30b-a3b", 12, [1, 2, 4, 8, 16]))),
     ]
-    t0 = time.perf_counter()
-    for name, fn in steps:
-        if only and name not in only:
-            continue
-        fn()
-        RES["elapsed_s"] = time.perf_counter() - t0
-        with open(os.path.join(args.out, "padded_qmm.json"), "w") as f:
-            json.dump(RES, f, indent=1, default=str)
-    print("done", flush=True)
+    KG.run_steps(steps, "padded_qmm.json")
 
 
 if __name__ == "__main__":

@@ -7,10 +7,8 @@ and end-to-end timings with the best launch plans. Writes verify_speed.json unde
 
 from __future__ import annotations
 
-import argparse
 import functools
 import itertools
-import json
 import os
 import sys
 import time
@@ -201,12 +199,6 @@ def use_best_plans():
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=".")
-    ap.add_argument("--only", default="")
-    args = ap.parse_args()
-    print("MLX", mx.__version__, mx.default_device(), flush=True)
-    only = set(filter(None, args.only.split(",")))
     steps = [
         ("qmm_new_vs_old", qmm_new_vs_old), ("qmm_sweep2", qmm_sweep2), ("attention_sweep2", attention_sweep2),
         ("plans", use_best_plans),
@@ -214,15 +206,7 @@ def main():
         ("forward_moe", KG.section("forward_moe")(lambda: KG.forward("qwen3-30b-a3b", 12, [1, 2, 4, 8, 16]))),
         ("e2e2", e2e2),
     ]
-    t0 = time.perf_counter()
-    for name, fn in steps:
-        if only and name not in only:
-            continue
-        fn()
-        RES["elapsed_s"] = time.perf_counter() - t0
-        with open(os.path.join(args.out, "verify_speed.json"), "w") as f:
-            json.dump(RES, f, indent=1, default=str)
-    print("done", flush=True)
+    KG.run_steps(steps, "verify_speed.json")
 
 
 if __name__ == "__main__":
