@@ -32,6 +32,25 @@ def padded(P):
     return qmm
 
 
+def shared_pad_qmm(P):
+    """batch_invariant._qmm padding each layer input once: q/k/v (and gate/up) get the same x array."""
+    from mlx_engine.target import batch_invariant as BI
+
+    last = []
+
+    def _qmm(x, w, scales, biases, group_size, bits, max_rows):
+        x2 = x.reshape(-1, x.shape[-1])
+        M = x2.shape[0]
+        if M > P:
+            return mx.quantized_matmul(x, w, scales, biases, True, group_size, bits)
+        if not (last and last[0] is x):
+            last[:] = [x, mx.pad(x2, [(0, P - M), (0, 0)]) if M < P else x2]
+        y = mx.quantized_matmul(last[1], w, scales, biases, True, group_size, bits)
+        return (y[:M] if M < P else y).reshape(*x.shape[:-1], w.shape[0])
+
+    BI._qmm = _qmm
+
+
 @KG.section("invariance")
 def invariance():
     out = []
@@ -93,21 +112,24 @@ def bands():
     return out
 
 
-def use(P, SG=16, KB=8):
+def use(P, share=False):
     kernels.reset()
     kernels._resolved["batch_qmm"] = ("cuda", padded(P))
-    A.launch_spec.__defaults__ = A.launch_spec.__defaults__[:-2] + (SG, KB)
+    if share:
+        shared_pad_qmm(P)
 
 
 def main():
-    def fwd(P, name, layers, lengths):
-        use(P)
+    def fwd(P, name, layers, lengths, share=False):
+        use(P, share)
         return KG.forward(name, layers, lengths)
 
     steps = [
         ("invariance", invariance), ("padded_speed", padded_speed), ("bands", bands),
         ("forward_pad16", KG.section("forward_pad16")(lambda: fwd(16, "llama-8b", None, [1, 2, 4, 8, 12, 16]))),
         ("forward_pad8", KG.section("forward_pad8")(lambda: fwd(8, "llama-8b", None, [1, 2, 4, 6, 8]))),
+        # not run yet (no GPU left that session): one mx.pad per input array instead of one per linear
+        ("forward_pad16_shared", KG.section("forward_pad16_shared")(lambda: fwd(16, "llama-8b", None, [1, 2, 4, 8, 16], True))),
         ("forward_moe_pad16", KG.section("forward_moe_pad16")(lambda: fwd(16, "qwen3-30b-a3b", 12, [1, 2, 4, 8, 16]))),
     ]
     KG.run_steps(steps, "padded_qmm.json")
