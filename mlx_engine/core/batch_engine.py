@@ -121,6 +121,7 @@ class BatchEngine:
         if self.supported is None and getattr(drafter, "reads_target_cache", False):
             self.supported = f"the {drafter.name} drafter reads the single-sequence target cache"
         self.steps = 0
+        self._reshaped = False  # rows joined or left since the last step (its time carries the re-layout)
         self.k_steps: dict[int, int] = {}  # steps run at each draft length (reports)
 
     # -- joining and leaving ---------------------------------------------------------------------------
@@ -219,6 +220,7 @@ class BatchEngine:
         host.wait([s for bc in self.cache for s in bc.state])
         seq.t_decode = time.perf_counter()
         self.seqs.append(seq)
+        self._reshaped = True
         self._pending.append(Output(seq_id, [first]))
 
     def cancel(self, seq_id) -> None:
@@ -257,6 +259,7 @@ class BatchEngine:
         if self.batched is not None:
             self.batched.keep_rows(keep)
         self.seqs = [self.seqs[i] for i in keep]
+        self._reshaped = True
 
     # -- one step ---------------------------------------------------------------------------------------
     def step(self) -> list[Output]:
@@ -300,6 +303,7 @@ class BatchEngine:
             outs.append(choose_row(row_logits, context, d_tokens, d_probs, s.sampling, s.next_key()))
         values = host.read(mx.concatenate(outs))  # the step's one host synchronisation
         seconds = time.perf_counter() - t0
+        reshaped, self._reshaped = self._reshaped, False
         accepted, finished, start = [], [], 0
         for i, s in enumerate(self.seqs):
             ki = ks[i]
@@ -329,7 +333,8 @@ class BatchEngine:
             outputs.append(Output(s.id, emitted, reason, s.stats(self.num_draft) if reason else None))
             if reason:
                 finished.append(i)
-        self.policy.observe(b, k, accepted, seconds, ks, [s.evidence for s in self.seqs])
+        # a step right after rows joined or left also gathers the batch caches anew: not a cost of (b, k)
+        self.policy.observe(b, k, accepted, seconds, ks, [s.evidence for s in self.seqs], timed=not reshaped)
         self.k_steps[k] = self.k_steps.get(k, 0) + 1
         self._drop(finished)
         self.steps += 1

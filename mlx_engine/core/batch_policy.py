@@ -21,8 +21,9 @@ Exploration. At a batch size met for the first time it alternates k = 1 and 0 un
 While plain decoding wins it drafts two steps at k = 1 every `stretch` steps, so a change of text or of
 load is noticed; the stretch doubles (up to `max_stretch`) while those probes keep losing, so a useless
 drafter costs ever less. While drafting wins it tries a neighbour of the best k every `probe_every`
-steps. The first drafting step after a plain run of several steps is not timed (it carries the
-drafter's catch-up over those steps).
+steps, unless that neighbour is measured already and runs more than 15% slower. The first drafting step
+after a plain run of several steps is not timed (it carries the drafter's catch-up over those steps),
+nor is a step right after rows joined or left (it carries the batch caches' re-layout).
 
 Per row. The verify pass is one [B, k + 1] array, so a row that drafts fewer than k tokens still takes
 k + 1 verify rows (padding): what it saves is its own drafting. A batched MTP head drafts every row in
@@ -52,12 +53,13 @@ class BatchPolicy:
     def __init__(self, max_k: int = 8, probe_every: int = 16, max_stretch: int = 256, prior_acceptance: float = 0.5,
                  prior_weight: float = 4.0, window: float = 512.0, margin: float = 1.05, min_draft_cost: float = 0.1,
                  confidence: float = 1.0, min_samples: int = 3, per_row_drafting: bool = False,
-                 row_window: float = 64.0, row_min_tries: int = 6):
+                 row_window: float = 64.0, row_min_tries: int = 6, probe_tolerance: float = 1.15):
         self.max_k = max_k
         self.margin = margin
         self.min_draft_cost = min_draft_cost
         self.confidence = confidence  # z of the acceptance lower bound the choice uses
         self.probe_every, self.max_stretch = probe_every, max_stretch
+        self.probe_tolerance = probe_tolerance
         self.prior_acceptance, self.prior_weight = prior_acceptance, prior_weight
         self.window = window  # drafts at a position before its old evidence has faded to 1/e
         self.min_samples = min_samples  # timed steps at k = 0 and k = 1 before a batch size is decided on
@@ -143,9 +145,18 @@ class BatchPolicy:
         self.stretch, self._probed = self.probe_every, False
         if self._since_probe >= self.probe_every:
             self._since_probe, self._up = 0, not self._up
-            self._probing = True
-            return max(0, min(self.max_k, best + (1 if self._up else -1)))
+            probe = max(0, min(self.max_k, best + (1 if self._up else -1)))
+            if probe != best and self._worth_probing(b, probe, best):
+                self._probing = True
+                return probe
         return best
+
+    def _worth_probing(self, b: int, k: int, best: int) -> bool:
+        """A neighbour of the best k is tried while it is not measured yet, or while its measured speed is
+        within `probe_tolerance` of the best's (a neighbour measured far slower is not re-run every time)."""
+        if self.step_costs.samples(b, k) < self.min_samples:
+            return True
+        return self.speed(b, k) * self.probe_tolerance >= self.speed(b, best)
 
     def row(self) -> RowEvidence:
         """Per-sequence state for a sequence joining the batch (the engine keeps it with the sequence)."""
@@ -174,11 +185,12 @@ class BatchPolicy:
         return ks
 
     def observe(self, b: int, k: int, accepted: list[int], seconds: float, ks: list[int] | None = None,
-                rows: list | None = None) -> None:
+                rows: list | None = None, timed: bool = True) -> None:
         """A step of b rows at draft length k took `seconds`; `accepted`: each row's accepted drafts; `ks`:
-        each row's draft length (default k); `rows`: each row's RowEvidence (or None)."""
+        each row's draft length (default k); `rows`: each row's RowEvidence (or None); timed=False: the
+        step's time carries something else (rows joining or leaving), only its verdicts count."""
         ks = ks if ks is not None else [k] * b
-        untimed = k > 0 and self._plain_run >= 4  # carries the drafter's catch-up over the plain run
+        untimed = not timed or (k > 0 and self._plain_run >= 4)  # or carries the drafter's catch-up
         self._plain_run = self._plain_run + 1 if k == 0 else 0
         self.steps += 1
         if not untimed:
@@ -223,7 +235,7 @@ class FixedBatchPolicy:
     def row_ks(self, k: int, rows: list, caps: list[int]) -> list[int]:
         return [max(0, min(k, c)) for c in caps]
 
-    def observe(self, b: int, k: int, accepted: list[int], seconds: float, ks=None, rows=None) -> None:
+    def observe(self, b: int, k: int, accepted: list[int], seconds: float, ks=None, rows=None, timed=True) -> None:
         pass
 
     def costs(self) -> dict:
