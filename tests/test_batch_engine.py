@@ -233,3 +233,35 @@ def test_draft_model_rows_each_keep_their_own_draft_cache():
         list(engine.generate(p, GenerationConfig(max_tokens=n, num_draft=3)))
         single_d, single_a = single_d + engine.stats.drafted, single_a + engine.stats.accepted
     assert single_a > 0 and accepted / drafted > 0.7 * single_a / single_d
+
+
+@pytest.mark.cpu_exact
+def test_a_request_s_num_draft_caps_its_own_row(llama):
+    """Per-request num_draft in a batch: a row with num_draft 0 never drafts (its verify input is padded to
+    the others' k + 1), a row with 1 drafts at most 1, the others draft the batch's k; every output equals
+    the request served alone, greedy and sampled (a capped row's draws are those of its own k)."""
+    s = SamplingConfig(temperature=0.8, top_p=0.95)
+    reqs = {0: (PROMPTS[3], 24, {"num_draft": 0}), 1: (PROMPTS[0], 24, {"num_draft": 1}), 2: (PROMPTS[3], 24, {}),
+            3: (PROMPTS[1], 16, {"num_draft": 0, "sampling": s, "seed": 5})}
+    got, done = run(BatchEngine(llama, NgramDrafter(), num_draft=3, max_batch=4), reqs)
+    for i in (0, 1, 2):
+        assert got[i] == alone(llama, reqs[i][0], reqs[i][1])
+    each, _ = run(BatchEngine(llama, NgramDrafter(), num_draft=0, max_batch=1), {3: reqs[3]})
+    assert got[3] == each[3]
+    assert done[0][1]["drafted"] == 0 and done[3][1]["drafted"] == 0 and done[0][1]["verify_passes"] == 0
+    assert done[1][1]["drafted"] <= done[1][1]["verify_passes"]  # at most 1 per step
+    assert done[2][1]["drafted"] > done[2][1]["verify_passes"]  # more than 1 per step
+    with pytest.raises(ValueError):
+        BatchEngine(llama, NgramDrafter(), num_draft=2).add(9, PROMPTS[0], 4, num_draft=-1)
+
+
+@pytest.mark.cpu_exact
+def test_a_row_near_its_max_tokens_does_not_cut_the_others_drafts(llama):
+    """A row drafts no further than its room before max_tokens, and only its own drafts shrink: three short
+    requests ending next to a long one leave the batch at k = 2 until the long one's own last steps."""
+    reqs = {0: (PROMPTS[3], 40, {}), 1: (PROMPTS[0], 3, {}), 2: (PROMPTS[1], 4, {}), 3: (PROMPTS[2], 5, {})}
+    engine = BatchEngine(llama, NgramDrafter(), num_draft=2, max_batch=4)
+    got, _ = run(engine, reqs)
+    for i, (p, n, _) in reqs.items():
+        assert got[i] == alone(llama, p, n)
+    assert sum(n for k, n in engine.k_steps.items() if k < 2) <= 2, engine.k_steps

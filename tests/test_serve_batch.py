@@ -113,7 +113,19 @@ def test_stop_string_ends_one_sequence_of_the_batch(server):
     assert res[0] == (full[: full.index(" 12")], "stop")
 
 
-def test_per_request_num_draft_is_refused_in_batch_mode(server):
-    r = httpx.post(server.base + "/v1/completions", json={"model": server.model, "prompt": "Hi", "num_draft": 0},
+def test_per_request_num_draft_caps_the_request_s_own_row(server):
+    """num_draft per request in a batch: 0 turns drafting off for that request alone (nothing drafted, the
+    same text), while a concurrent request keeps the server's setting; a bad value is refused (400)."""
+    client = server.client()
+
+    def completion(extra):
+        r = client.completions.create(model=server.model, prompt="List the planets of the solar system:",
+                                      max_tokens=24, temperature=0, extra_body=extra)
+        return r.choices[0].text, r.model_extra["speculation"]
+
+    (off_text, off_spec), (on_text, _) = together(completion, [({"num_draft": 0},), (None,)])
+    assert off_spec["drafted"] == 0 and off_spec["verify_passes"] == 0
+    assert off_text == on_text
+    r = httpx.post(server.base + "/v1/completions", json={"model": server.model, "prompt": "Hi", "num_draft": -1},
                    timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"] == "num_draft"

@@ -4,9 +4,12 @@ Each step every running sequence drafts k tokens with its OWN drafter state (a c
 drafter per sequence, or one batched MTP head with per-row state), the target scores all sequences'
 [last, d_1..d_k] in ONE forward pass over a BatchKVCache (per-row lengths), the acceptance rule runs per
 row on device, and one host read brings back every row's verdict. Rollback is per row: the cache row
-drops its rejected drafts (`trim_row`), the row's drafter commits its own verdict. k is chosen per batch
-(batch_policy.py) from the measured cost of a step at this batch size. With k = 0 a step is one plain
-decoding step for every row.
+drops its rejected drafts (`trim_row`), the row's drafter commits its own verdict. k is chosen per step
+(batch_policy.py) from the measured cost of a step at this batch size, and per row up to it: a row drafts
+fewer where its request's `num_draft`, its room before max_tokens or its drafter caps it (or, with a
+drafter per row, where its own acceptance cannot pay for its drafting); its verify input is padded to the
+step's k + 1 and the acceptance rule reads only its own drafts. With k = 0 a step is one plain decoding
+step for every row.
 
 Sequences join and leave between steps: `add` prefills a new sequence alone (a plain single-sequence
 cache, with the longest common prefix of a recently finished sequence reused), samples its first token,
@@ -57,6 +60,8 @@ class _Seq:
     history: list[int]
     last: int
     reused: int = 0
+    max_draft: int | None = None  # the request's own ceiling on its draft length (None: the policy's)
+    evidence: object = None  # the batch policy's per-row state (its own acceptance)
     generated: int = 1
     drafted: int = 0
     accepted: int = 0
@@ -103,7 +108,8 @@ class BatchEngine:
         # an MTP head drafts for all rows in one pass; any other drafter with a copy per row
         self.batched = BatchedMTP(drafter) if batched_drafting and batchable_mtp(drafter) else None
         self.num_draft = num_draft if drafter is not None else 0
-        self.policy = BatchPolicy(max_draft) if self.num_draft == "auto" else FixedBatchPolicy(self.num_draft)
+        self.policy = (BatchPolicy(max_draft, per_row_drafting=self.batched is None) if self.num_draft == "auto"
+                       else FixedBatchPolicy(self.num_draft))
         self.max_batch = max_batch
         self.prefill_step = prefill_step
         self.keep_prefixes = keep_prefixes
@@ -115,6 +121,7 @@ class BatchEngine:
         if self.supported is None and getattr(drafter, "reads_target_cache", False):
             self.supported = f"the {drafter.name} drafter reads the single-sequence target cache"
         self.steps = 0
+        self._reshaped = False  # rows joined or left since the last step (its time carries the re-layout)
         self.k_steps: dict[int, int] = {}  # steps run at each draft length (reports)
 
     # -- joining and leaving ---------------------------------------------------------------------------
@@ -166,14 +173,18 @@ class BatchEngine:
         return logits, cache, (mx.concatenate(hidden) if self.want_hidden else None), reused
 
     def add(self, seq_id, prompt: list[int], max_tokens: int, sampling: SamplingConfig | None = None, seed: int = 0,
-            stop_tokens: frozenset[int] = frozenset()) -> None:
-        """Prefill a new sequence and put it in the running batch; its first token comes out of the next step()."""
+            stop_tokens: frozenset[int] = frozenset(), num_draft: int | str | None = None) -> None:
+        """Prefill a new sequence and put it in the running batch; its first token comes out of the next step().
+        `num_draft`: this request's ceiling on its draft length per step (0: it never drafts; None or "auto":
+        the batch's choice)."""
         if self.supported is not None:
             raise ValueError(f"this model cannot be batched: {self.supported}")
         if len(self.seqs) >= self.max_batch:
             raise ValueError(f"the batch is full ({self.max_batch} sequences)")
         if max_tokens < 1:
             raise ValueError(f"max tokens must be >= 1, got {max_tokens}")
+        if num_draft not in (None, "auto") and (not isinstance(num_draft, int) or num_draft < 0):
+            raise ValueError(f"num_draft must be an integer >= 0 or 'auto', got {num_draft!r}")
         self.check(prompt)
         sampling = sampling or SamplingConfig()
         t0 = time.perf_counter()
@@ -181,7 +192,8 @@ class BatchEngine:
         logits, cache, hidden, reused = self._prefill(prompt)
         context = mx.array(prompt[-sampling.repetition_context :]) if sampling.penalized else None
         seq = _Seq(seq_id, list(prompt), max_tokens, sampling, frozenset(stop_tokens), key, None, list(prompt), -1,
-                   reused=reused)
+                   reused=reused, max_draft=None if num_draft in (None, "auto") else int(num_draft),
+                   evidence=self.policy.row())
         out = choose_row(logits, context, mx.zeros((0,), mx.int32), None, sampling, seq.next_key())
         first = host.read(out)[1]
         seq.history.append(first)
@@ -208,6 +220,7 @@ class BatchEngine:
         host.wait([s for bc in self.cache for s in bc.state])
         seq.t_decode = time.perf_counter()
         self.seqs.append(seq)
+        self._reshaped = True
         self._pending.append(Output(seq_id, [first]))
 
     def cancel(self, seq_id) -> None:
@@ -246,6 +259,7 @@ class BatchEngine:
         if self.batched is not None:
             self.batched.keep_rows(keep)
         self.seqs = [self.seqs[i] for i in keep]
+        self._reshaped = True
 
     # -- one step ---------------------------------------------------------------------------------------
     def step(self) -> list[Output]:
@@ -259,47 +273,56 @@ class BatchEngine:
         if not self.seqs:
             return outputs
         b = len(self.seqs)
-        room = min(s.max_tokens - s.generated for s in self.seqs)
         k = self.policy.next_k(b) if self.drafter is not None else 0
-        k = max(0, min(k, room - 1))
-        for s in self.seqs if k > 0 and self.batched is None else ():
-            limit = s.drafter.max_draft()
-            k = min(k, limit) if limit is not None else k
+        # each row's own k: what it drafts (at most the batch's k, its request's ceiling, its drafter's limit),
+        # and what the acceptance rule reads of it (no more than the row has room for before max_tokens)
+        drafting = self.policy.row_ks(k, [s.evidence for s in self.seqs], [self._cap(s) for s in self.seqs]) \
+            if k else [0] * b
+        ks = [min(d, s.max_tokens - s.generated - 1) for d, s in zip(drafting, self.seqs)]
+        k = max(ks)  # the verify pass's width - 1; a row with fewer drafts is padded
         t0 = time.perf_counter()
-        if k > 0 and self.batched is not None:
+        if k > 0 and self.batched is not None:  # one head pass per draft step drafts k for every row
             drafts = self.batched.propose(k, [s.sampling for s in self.seqs], [s.next_key() for s in self.seqs])
+        elif k > 0:
+            drafts = [self._padded(self._propose(s, min(d, k)) if d else None, k, s.last)
+                      for s, d in zip(self.seqs, drafting)]
         else:
-            drafts = [self._propose(s, k) for s in self.seqs] if k > 0 else None
+            drafts = None
         last = mx.array([[s.last] for s in self.seqs], dtype=mx.int32)
         inputs = mx.concatenate([last, mx.stack([d.tokens for d in drafts])], axis=1) if k > 0 else last
         logits, hidden = self.target.forward_batch(inputs, self.cache, self.want_hidden)
         outs = []
-        for i, s in enumerate(self.seqs):
-            d_tokens = drafts[i].tokens if k > 0 else mx.zeros((0,), mx.int32)
-            d_probs = drafts[i].probs if k > 0 else None
+        for i, s in enumerate(self.seqs):  # the acceptance rule over the row's own ki drafts
+            ki = ks[i]
+            d_tokens = drafts[i].tokens[:ki] if ki > 0 else mx.zeros((0,), mx.int32)
+            d_probs = drafts[i].probs[:ki] if ki > 0 and drafts[i].probs is not None else None
             context = None
             if s.sampling.penalized:
                 context = mx.concatenate([mx.array(s.history[-s.sampling.repetition_context :]), d_tokens])
-            outs.append(choose_row(logits[i], context, d_tokens, d_probs, s.sampling, s.next_key()))
+            row_logits = logits[i] if ki == k else logits[i, : ki + 1]
+            outs.append(choose_row(row_logits, context, d_tokens, d_probs, s.sampling, s.next_key()))
         values = host.read(mx.concatenate(outs))  # the step's one host synchronisation
         seconds = time.perf_counter() - t0
-        accepted, finished = [], []
+        reshaped, self._reshaped = self._reshaped, False
+        accepted, finished, start = [], [], 0
         for i, s in enumerate(self.seqs):
-            row = values[i * (k + 2) : (i + 1) * (k + 2)]
+            ki = ks[i]
+            row = values[start : start + ki + 2]  # [n, t_0..t_ki]
+            start += ki + 2
             n = row[0]
             tokens = row[1 : n + 2]
             for bc in self.cache:
-                bc.trim_row(i, k - n)  # the rejected drafts
+                bc.trim_row(i, k - n)  # the rejected drafts and the row's padding
             h = hidden[i] if hidden is not None else None
             if self.batched is not None:
                 self.batched.commit(i, Verdict(k, n, tokens), h)
             elif s.drafter is not None:
-                s.drafter.commit(Verdict(k, n, tokens), h)
+                s.drafter.commit(Verdict(ki, n, tokens), h)
             if h is not None:
                 s.hidden_rows.append(h[: n + 1])
-            real = getattr(drafts[i], "n_real", k) if k > 0 else 0
+            real = min(getattr(drafts[i], "n_real", k), ki) if ki > 0 else 0
             emitted, reason = self._emit(s, tokens)
-            if k > 0:
+            if ki > 0:
                 s.verifies += 1
                 s.verified_tokens += len(emitted)
                 s.drafted += real
@@ -310,11 +333,18 @@ class BatchEngine:
             outputs.append(Output(s.id, emitted, reason, s.stats(self.num_draft) if reason else None))
             if reason:
                 finished.append(i)
-        self.policy.observe(b, k, accepted, seconds)
+        # a step right after rows joined or left also gathers the batch caches anew: not a cost of (b, k)
+        self.policy.observe(b, k, accepted, seconds, ks, [s.evidence for s in self.seqs], timed=not reshaped)
         self.k_steps[k] = self.k_steps.get(k, 0) + 1
         self._drop(finished)
         self.steps += 1
         return outputs
+
+    def _cap(self, s: _Seq) -> int:
+        """The most row s may draft: its request's ceiling and its drafter's limit."""
+        cap = (1 << 30) if s.max_draft is None else s.max_draft
+        limit = s.drafter.max_draft() if s.drafter is not None and cap > 0 else None
+        return min(cap, limit) if limit is not None else cap
 
     def _propose(self, s: _Seq, k: int) -> Draft:
         d = s.drafter.propose(k, s.sampling, s.next_key())
@@ -326,6 +356,20 @@ class BatchEngine:
         pad = mx.full((k - n,), s.last, dtype=mx.int32)
         out = Draft(mx.concatenate([d.tokens.astype(mx.int32), pad]), None)
         object.__setattr__(out, "n_real", n)
+        return out
+
+    @staticmethod
+    def _padded(d: Draft | None, k: int, last: int) -> Draft:
+        """A row's draft (None: it drafted nothing) padded to the pass's k with copies of its last token;
+        the acceptance rule reads only the row's own drafts, so the padding is never emitted."""
+        n = d.tokens.shape[0] if d is not None else 0
+        if n == k:
+            return d
+        tokens = mx.full((k - n,), last, dtype=mx.int32)
+        if d is not None:
+            tokens = mx.concatenate([d.tokens.astype(mx.int32), tokens])
+        out = Draft(tokens, d.probs if d is not None else None)
+        object.__setattr__(out, "n_real", min(getattr(d, "n_real", n), n) if d is not None else 0)
         return out
 
     @staticmethod

@@ -30,18 +30,9 @@ burst, enough drafts to come back.
 """
 
 import copy
-import math
 from dataclasses import dataclass, field
 
-
-def wilson_upper(hits: float, tries: float, z: float = 1.64) -> float:
-    """One-sided ~95% upper confidence bound on a success rate from `hits` of `tries` (Wilson score)."""
-    if tries <= 0:
-        return 1.0
-    p, z2 = hits / tries, z * z
-    centre = p + z2 / (2 * tries)
-    spread = z * math.sqrt(p * (1 - p) / tries + z2 / (4 * tries * tries))
-    return min(1.0, (centre + spread) / (1 + z2 / tries))
+from .estimates import add_verdict, expected_tokens, extrapolate, smoothed_acceptance, wilson_bound
 
 
 class FixedPolicy:
@@ -100,28 +91,15 @@ class AdaptivePolicy:
         return new if old is None else old + weight * (new - old)
 
     def expected_tokens(self, k: int) -> float:
-        total, run = 1.0, 1.0
-        for i in range(k):
-            if i < len(self.acceptance):
-                a = self.acceptance[i]
-            else:
-                a = self.acceptance[-1] if self.acceptance else self.prior_acceptance
-            run *= a
-            total += run
-        return total
+        return expected_tokens(self.acceptance, k, self.prior_acceptance)
 
     def estimated_cost(self, k: int) -> float | None:
-        if k in self.cost:
-            return self.cost[k]
-        known = sorted(self.cost, key=lambda j: (abs(j - k), j))
-        if len(known) < 2:
+        # linear in k through the two nearest measured lengths, but never flatter than `min_step_cost` plain
+        # tokens per drafted token: a noisy or flat pair of measures (a k = 1 cycle timed as cheap as a plain
+        # token) must not make k = 8 look free
+        if not self.cost:
             return None
-        a, b = sorted(known[:2])  # linear in k through the two nearest measured lengths, but never flatter
-        # than `min_step_cost` plain tokens per drafted token: a noisy or flat pair of measures (a k = 1 cycle
-        # timed as cheap as a plain token) must not make k = 8 look free
-        floor = self.min_step_cost * self.cost.get(0, min(self.cost.values()))
-        slope = max((self.cost[b] - self.cost[a]) / (b - a), floor)
-        return self.cost[a] + slope * (k - a)
+        return extrapolate(self.cost, k, self.min_step_cost * self.cost.get(0, min(self.cost.values())))
 
     def speed(self, k: int) -> float:
         cost = self.estimated_cost(k)
@@ -143,7 +121,7 @@ class AdaptivePolicy:
         k = self._burst_k
         if self._burst_tries < self.probe_cycles or k not in self.cost or 0 not in self.cost:
             return False
-        upper = wilson_upper(self._burst_hits, self._burst_tries)
+        upper = wilson_bound(self._burst_hits, self._burst_tries)
         rest = self.expected_tokens(k) - 1.0
         first = self.acceptance[0] if self.acceptance else self.prior_acceptance
         optimistic = 1.0 + upper * (rest / first if first > 0 else 1.0)  # E(k) with a_1 at its upper bound
@@ -238,23 +216,14 @@ class AdaptivePolicy:
         if self._in_burst:
             self._burst_hits += int(n_accepted > 0)
             self._burst_tries += 1
-        for i in range(min(n_accepted + 1, k)):  # positions the draft reached with all before accepted
-            while len(self.tries) <= i:
-                self.hits.append(0.0)
-                self.tries.append(0.0)
-            self.hits[i] = self.hits[i] * decay + (1.0 if i < n_accepted else 0.0)
-            self.tries[i] = self.tries[i] * decay + 1.0
+        add_verdict(self.hits, self.tries, k, n_accepted, decay)
         self._estimate()
 
     def _estimate(self) -> None:
         """Beta-smoothed conditional acceptance per position; a deeper position's prior is no higher than
         the estimate of the position before it (drafts rarely get easier further out), so a position seen a
         few times does not look better than the evidence above it."""
-        w, estimates = self.prior_weight, []
-        for h, t in zip(self.hits, self.tries):
-            prior = min(self.prior_acceptance, estimates[-1]) if estimates else self.prior_acceptance
-            estimates.append((h + prior * w) / (t + w))
-        self.acceptance = estimates
+        self.acceptance = smoothed_acceptance(self.hits, self.tries, self.prior_acceptance, self.prior_weight)
 
 
 # the settings of AdaptivePolicy (a new setting goes here; every other field is learnt state)

@@ -105,9 +105,6 @@ def create_app(service: Service) -> FastAPI:
             raise APIError(400, f"this model's maximum context length is {service.context_length} tokens; the prompt "
                                 f"has {len(prompt)} and max_tokens asks for {max_tokens} more",
                            param="max_tokens", code="context_length_exceeded")
-        if body.num_draft is not None and not service.worker.per_request_num_draft:
-            raise APIError(400, "num_draft per request needs --batching fair (a batch drafts one k for all its "
-                                "sequences, chosen by the server)", param="num_draft")
         if service.worker.saturated():
             raise APIError(503, "the server is at capacity; retry later", type_="server_error", code="overloaded")
         try:

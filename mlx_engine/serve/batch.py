@@ -12,7 +12,6 @@ from .worker import WorkerBase
 
 class BatchWorker(WorkerBase):
     mode = "continuous"
-    per_request_num_draft = False  # one k per batch step: the batch's policy chooses it
 
     def __init__(self, engine, tokenizer, drafter_name: str | None, **kw):
         super().__init__(tokenizer, **kw)
@@ -47,7 +46,8 @@ class BatchWorker(WorkerBase):
                 return
             req = job.request
             try:
-                self.engine.add(job.id, req.prompt, req.max_tokens, req.sampling, req.seed, self.eos)
+                # a request's num_draft caps its own row's k; the batch's policy chooses within it
+                self.engine.add(job.id, req.prompt, req.max_tokens, req.sampling, req.seed, self.eos, req.num_draft)
             except ValueError as e:
                 self.counts["failed"] += 1
                 job.put(Failed(str(e)))

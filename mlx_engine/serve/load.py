@@ -7,7 +7,7 @@ Without --url it starts `python -m mlx_engine serve` itself, twice, on free loop
 speculation on (--num-draft auto, or --spec-num-draft) and one off (--num-draft 0), with the serve flags
 given after `--`; the two settings then alternate per client count (in alternating order), so a machine
 load that drifts during the run favours neither. With --url it uses that server and switches speculation
-per request (the `num_draft` field; needs a server with --batching fair).
+per request (the `num_draft` field: 0 for off).
 
 Each phase runs C clients (threads with the real `openai` client), each sending streamed chat requests one
 after another (prompts from the held-out set, the same order for both settings, temperature 0) until the

@@ -29,7 +29,8 @@ class _Body(BaseModel):
     n: int = Field(default=1, ge=1, le=1)
     stream: bool = False
     stream_options: dict | None = None
-    num_draft: Union[int, Literal["auto"], None] = None  # per request: k >= 0 or auto (default: the server's)
+    # per request: k >= 0 or auto (default: the server's); in continuous batching, a ceiling on the row's own k
+    num_draft: Union[int, Literal["auto"], None] = None
 
     @field_validator("stop")
     @classmethod

@@ -16,7 +16,6 @@ from .jobs import Failed, Job, Output, speculation
 
 class WorkerBase:
     mode = "?"
-    per_request_num_draft = True  # a request may set its own num_draft
 
     def __init__(self, tokenizer, max_queue: int = 64, num_draft: int | str = "auto"):
         self.tokenizer = tokenizer
