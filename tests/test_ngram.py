@@ -1,13 +1,17 @@
 """Prompt lookup (drafters/ngram.py): the match rule against a brute-force reference, the alignment it
-keeps while a source is copied, no draft without a match."""
+keeps while a source is copied, no draft without a match, and in the engine: lossless, never a verify
+pass for an empty draft, and the policy sees only matched drafts."""
 
 import random
 
 import mlx.core as mx
 
-from mlx_engine import NgramDrafter
+from mlx_engine import Engine, GenerationConfig, NgramDrafter
 from mlx_engine.drafters.base import Verdict
 from mlx_engine.sampling import SamplingConfig
+from reference import mlx_lm_greedy
+from test_greedy_equality import target
+from test_policy import ModelledCosts
 
 
 def reference_draft(tokens: list[int], k: int, min_ngram: int, max_ngram: int) -> list[int]:
@@ -91,3 +95,41 @@ def test_no_draft_without_a_match_of_min_ngram_tokens():
     d1 = NgramDrafter(min_ngram=1)
     d1.begin([5, 6, 7, 8, 5])
     assert d1.next_member() == "ngram" and propose(d1, 4) == [6, 7, 8, 5]
+
+
+class Recording(ModelledCosts):
+    """ModelledCosts that records what the engine asked and told it."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.asked, self.told = [], []
+
+    def next_k(self):
+        k = super().next_k()
+        self.asked.append(k)
+        return k
+
+    def observe(self, k, n_accepted, seconds, tokens=1):
+        self.told.append((k, tokens))
+        super().observe(k, n_accepted, seconds, tokens)
+
+
+# repeats itself, so prompt lookup finds matches
+PROMPT = [3, 17, 42, 9, 200, 11, 5, 77, 3, 17, 42, 9, 128, 64, 31, 2, 3, 17, 42]
+
+
+def test_in_the_engine_lossless_and_no_verify_pass_for_an_empty_draft():
+    for temp in (0.0, 0.7):
+        engine = Engine(target("llama"), NgramDrafter(min_ngram=1))  # (random text repeats few 2-grams)
+        assert engine.policy.max_k == 16 and engine.policy.bootstrap_k == 16  # the drafter's own settings
+        engine.policy = policy = Recording(max_k=16, bootstrap_k=16)
+        cfg = GenerationConfig(max_tokens=64, num_draft="auto", sampling=SamplingConfig(temperature=temp))
+        steps = list(engine.generate(PROMPT, cfg))
+        if temp == 0.0:
+            assert [t for s in steps for t in s.tokens] == mlx_lm_greedy(target("llama"), PROMPT, 64)
+        assert engine.stats.drafted > 0
+        assert all(len(s.draft) > 0 for s in steps if s.n_accepted > 0)
+        # every k = 0 the policy was told of is a plain stretch it asked for: no empty draft is verified
+        # (and counted as a plain token); every drafting cycle drafted at least one token
+        assert sum(k == 0 for k, _ in policy.told) == sum(k == 0 for k in policy.asked)
+        assert all(k >= 1 for k, _ in policy.told if k) and policy.asked[0] == 16

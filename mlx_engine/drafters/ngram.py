@@ -4,8 +4,8 @@ the committed tokens.
 The match rule: among earlier positions whose last `min_ngram` tokens equal the context's last
 `min_ngram`, take the one whose backward match with the context's end is longest (compared up to
 `max_ngram` tokens), the most recent one on a tie. A longer match predicts acceptance: on the edit suite
-(SmolLM2-135M, greedy, offline over its outputs) a 1-token match had its first token accepted 15% of the time, a 2-token match 40%,
-3 or more ~80%, with 7-10 tokens accepted on average. The longest match also keeps the alignment with the
+(SmolLM2-135M, greedy, offline over its outputs) a 1-token match had its first token accepted 15% of
+the time, a 2-token match 40%, 3 or more ~80%, with 7-10 tokens accepted on average. The longest match also keeps the alignment with the
 copied source across cycles: after a full accept the aligned occurrence matches further back than any
 recent repeat of a few tokens (a "most recent n-gram" rule jumps to those).
 
@@ -25,6 +25,7 @@ class NgramDrafter:
     name = "ngram"
     needs_hidden = False
     max_k = 16  # the adaptive policy's longest draft: a verify of 17 tokens of a small model costs ~2 steps
+    bootstrap_k = 16  # its first burst: drafts cost nothing on the device, so measure every position at once
 
     def __init__(self, min_ngram: int = 2, max_ngram: int = 64, max_candidates: int = 256):
         """min_ngram: fewest matching tokens that make a draft; max_ngram: longest backward match compared
