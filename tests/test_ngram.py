@@ -121,8 +121,8 @@ PROMPT = [3, 17, 42, 9, 200, 11, 5, 77, 3, 17, 42, 9, 128, 64, 31, 2, 3, 17, 42]
 def test_in_the_engine_lossless_and_no_verify_pass_for_an_empty_draft():
     for temp in (0.0, 0.7):
         engine = Engine(target("llama"), NgramDrafter(min_ngram=1))  # (random text repeats few 2-grams)
-        assert engine.policy.max_k == 16 and engine.policy.bootstrap_k == 16  # the drafter's own settings
-        engine.policy = policy = Recording(max_k=16, bootstrap_k=16)
+        assert (engine.policy.max_k, engine.policy.bootstrap_k) == (16, 16)
+        engine.policy = policy = Recording(**NgramDrafter.policy_settings)
         cfg = GenerationConfig(max_tokens=64, num_draft="auto", sampling=SamplingConfig(temperature=temp))
         steps = list(engine.generate(PROMPT, cfg))
         if temp == 0.0:

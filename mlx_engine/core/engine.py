@@ -87,7 +87,7 @@ class Engine:
         self, model: nn.Module, drafter: Drafter | None = None, max_draft: int | None = None,
         batch_invariant: bool | None = None,
     ):
-        """max_draft: the longest draft the adaptive policy tries (None: the drafter's own `max_k`, else 8).
+        """max_draft: the longest draft the adaptive policy tries (None: the drafter's own, else 8).
         batch_invariant: decode (plain and verify) through batch-invariant kernels, so speculative output
         equals plain output bit for bit on any device (mlx_engine/batch_invariant.py). None: on a GPU
         when INVARIANT_BY_DEFAULT_ON_GPU (not yet: see there), else off."""

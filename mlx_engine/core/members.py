@@ -13,11 +13,15 @@ DEFAULT_MAX_K = 8
 
 
 def settings(drafter, max_draft: int | None = None) -> dict:
-    """The adaptive policy's settings for a drafter: the longest draft it tries (`max_draft`, else the
-    drafter's own `max_k`, else 8), and the length of its first burst (the drafter's `bootstrap_k`: prompt
-    lookup starts long, its drafts cost nothing on the device; else 1)."""
-    longest = max_draft or getattr(drafter, "max_k", None) or DEFAULT_MAX_K
-    return {"max_k": longest, "bootstrap_k": min(getattr(drafter, "bootstrap_k", None) or 1, longest)}
+    """The adaptive policy's settings for a drafter: 8 drafts at most, and the drafter's own
+    `policy_settings` (prompt lookup: up to 16, its first burst at 16, since its drafts cost nothing on
+    the device); `max_draft` caps them all."""
+    out = {"max_k": DEFAULT_MAX_K, **getattr(drafter, "policy_settings", {})}
+    if max_draft:
+        out["max_k"] = max_draft
+    if "bootstrap_k" in out:
+        out["bootstrap_k"] = min(out["bootstrap_k"], out["max_k"])
+    return out
 
 
 def next_member(drafter) -> str | None:

@@ -24,8 +24,10 @@ from .base import Draft, Verdict
 class NgramDrafter:
     name = "ngram"
     needs_hidden = False
-    max_k = 16  # the adaptive policy's longest draft: a verify of 17 tokens of a small model costs ~2 steps
-    bootstrap_k = 16  # its first burst: drafts cost nothing on the device, so measure every position at once
+    # the adaptive policy's settings (core/members.py): drafts of up to 16 (a verify of 17 tokens of a small
+    # model costs ~2 steps on a CPU), its first burst at 16: drafts cost nothing on the device, so one
+    # burst measures every position at once
+    policy_settings = {"max_k": 16, "bootstrap_k": 16}
 
     def __init__(self, min_ngram: int = 2, max_ngram: int = 64, max_candidates: int = 256):
         """min_ngram: fewest matching tokens that make a draft; max_ngram: longest backward match compared
