@@ -1,5 +1,7 @@
 """Drafter chains (ngram+mtp, ngram+eagle3): greedy output == plain for every k with both branches used,
-the model drafter's state exact after n-gram cycles, the T = 1 distribution == the target's."""
+the model drafter's state exact after n-gram cycles, the T = 1 distribution == the target's; under auto
+each member its own policy (the n-gram long, the model drafter short, or off without turning the n-gram
+off)."""
 
 import itertools
 import json
@@ -19,6 +21,7 @@ from mlx_engine.drafters.mtp import load_mtp_drafter
 from mlx_engine.drafters.ngram import NgramDrafter
 from mlx_engine.target.model import Target
 from reference import mlx_lm_greedy
+from test_ngram import Recording
 from test_distribution import N_SAMPLES, VOCAB, chi_square_p_value, exact_joint
 from test_mtp_helpers import load_hf
 
@@ -61,6 +64,58 @@ def test_ngram_mtp_greedy_equals_plain(tmp_path_factory):
         out, _ = _run(model, chain, k)
         assert out == ref, f"k={k}"
         assert chain.cycles["ngram"] > 0 and chain.cycles["mtp"] > 0, chain.cycles
+
+
+def test_under_auto_each_member_drafts_by_its_own_policy(llama6):
+    """The n-gram member gets its own policy (its longest draft 16, first burst at 16) while the engine's
+    policy serves the model drafter (8); each sees only its member's cycles; output == plain."""
+    model, folder = llama6
+    chain = ChainDrafter(load_eagle3_drafter(folder, model), NgramDrafter(min_ngram=1))
+    engine = Engine(model, chain)
+    assert engine.policy.max_k == 8
+    engine.policy = Recording(max_k=8)  # the modelled costs (no timings), and a record of k
+    drafted_by = {"ngram": [], "eagle3": []}
+    for _ in range(2):  # what each policy learnt carries over to the next generation
+        gen = engine.generate(PROMPT, GenerationConfig(max_tokens=64, num_draft="auto"))
+        out = []
+        for step in gen:
+            out += step.tokens
+            if step.draft:
+                drafted_by[chain.last].append(len(step.draft))
+        assert out == mlx_lm_greedy(model, PROMPT, 64)
+    own = engine.member_policies["ngram"]
+    assert type(own) is Recording and own is not engine.policy
+    assert (own.max_k, own.bootstrap_k) == (16, 16) and own.asked[0] == 16
+    assert drafted_by["ngram"] and drafted_by["eagle3"], drafted_by
+    assert max(drafted_by["eagle3"]) <= 8 and max(drafted_by["ngram"]) > 8, drafted_by
+    assert [k for k, _ in own.told if k] == drafted_by["ngram"]  # each policy told of its own cycles only
+    assert [k for k, _ in engine.policy.told if k] == drafted_by["eagle3"]
+
+
+class PlainAlways(Recording):
+    """A policy that never drafts (plain stretches without end): the model drafter turned off."""
+
+    def next_k(self):
+        self.asked.append(0)
+        return 0
+
+    def plain_run(self):
+        return 1 << 20
+
+    def for_member(self, **settings):
+        return Recording(**settings)
+
+
+def test_a_model_drafter_turned_off_leaves_prompt_lookup_on(llama6):
+    """The model drafter's policy decodes plainly for good; its plain stretch ends as soon as the context
+    has a match, and the n-gram drafts (suspect of issue 15: one policy shut prompt lookup off with it)."""
+    model, folder = llama6
+    chain = ChainDrafter(load_eagle3_drafter(folder, model), NgramDrafter(min_ngram=1))
+    engine = Engine(model, chain)
+    engine.policy = PlainAlways(max_k=8)
+    out = [t for s in engine.generate(PROMPT, GenerationConfig(max_tokens=64, num_draft="auto")) for t in s.tokens]
+    assert out == mlx_lm_greedy(model, PROMPT, 64)
+    assert chain.cycles["eagle3"] == 0 and chain.cycles["ngram"] > 0 and engine.stats.accepted > 0
 
 
 def test_model_drafter_sees_every_committed_token(llama6):

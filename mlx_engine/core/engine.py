@@ -3,8 +3,9 @@
 Each cycle the drafter proposes k tokens (lazily), the target scores [last, d_1..d_k] in one forward pass,
 the acceptance rule picks a prefix and the next token on device, and a single host read brings back
 `[n_accepted, t_0..t_k]`. Then `_commit` rolls the target cache back to the kept prefix (the one place
-that bookkeeping happens) and the drafter advances. When the draft policy picks k = 0, a stretch of
-tokens is decoded plainly, pipelined as in mlx-lm, with the drafter kept in step.
+that bookkeeping happens) and the drafter advances. When the draft policy picks k = 0, or no member of
+the drafter has a draft (core/members.py), a stretch of tokens is decoded plainly, pipelined as in
+mlx-lm, with the drafter kept in step.
 
 State between cycles: the target cache holds every committed token except `_last` (sampled, not yet
 fed) and `_replay` (kept tokens a cache without per-token states, e.g. a wrapped rotating window, must
@@ -25,7 +26,8 @@ from .. import host, kernels
 from ..target.batch_invariant import is_batch_invariant, make_batch_invariant
 from ..kernels.acceptance import uniforms_from_key
 from ..drafters.base import Draft, Drafter, HiddenRequest, Verdict, hidden_request
-from .policy import AdaptivePolicy, FixedPolicy
+from . import members
+from .policy import AdaptivePolicy
 from ..sampling import SamplingConfig, probabilities, process_logits
 from .stats import SpecStats
 from ..target.model import Target
@@ -82,9 +84,11 @@ INVARIANT_BY_DEFAULT_ON_GPU = False
 
 class Engine:
     def __init__(
-        self, model: nn.Module, drafter: Drafter | None = None, max_draft: int = 8, batch_invariant: bool | None = None
+        self, model: nn.Module, drafter: Drafter | None = None, max_draft: int | None = None,
+        batch_invariant: bool | None = None,
     ):
-        """batch_invariant: decode (plain and verify) through batch-invariant kernels, so speculative output
+        """max_draft: the longest draft the adaptive policy tries (None: the drafter's own, else 8).
+        batch_invariant: decode (plain and verify) through batch-invariant kernels, so speculative output
         equals plain output bit for bit on any device (mlx_engine/batch_invariant.py). None: on a GPU
         when INVARIANT_BY_DEFAULT_ON_GPU (not yet: see there), else off."""
         if batch_invariant is None:
@@ -94,11 +98,12 @@ class Engine:
         self.batch_invariant = is_batch_invariant(model)
         self.target = Target(model)
         self.drafter = drafter
-        self.policy = AdaptivePolicy(max_k=max_draft)  # kept across generations: what it learnt carries over
+        self.max_draft = max_draft
+        self.policy = AdaptivePolicy(**members.settings(drafter, max_draft))  # kept across generations
+        self.member_policies: dict[str, AdaptivePolicy] = {}  # a chain's other members' own policies
         # the fused acceptance kernel when a GPU backend is selected; on CPU verify.py's reference
         self._fused_accept = kernels.get("acceptance") if kernels.backend("acceptance") != "reference" else None
-        self.stats = SpecStats()
-        self.cache: list = []
+        self.stats, self.cache = SpecStats(), []
         self._cached: list[int] = []  # the tokens the cache holds, in order
         self._cached_hidden: list[mx.array] = []  # their hidden states (when the drafter needs them)
         self._cached_request: HiddenRequest | None = None  # which hidden states those rows are
@@ -210,35 +215,35 @@ class Engine:
         self._check_prompt(prompt)
         sampling, drafter = cfg.sampling, self.drafter
         want_hidden = hidden_request(drafter)  # which target hidden states the drafter reads, or None
-        if drafter is None:
-            policy = FixedPolicy(0)
-        else:
-            policy = self.policy if cfg.num_draft == "auto" else FixedPolicy(cfg.num_draft)
+        default, own = members.policies(drafter, self.policy, self.member_policies, cfg.num_draft, self.max_draft)
         stats = self.stats = SpecStats(prompt_tokens=len(prompt))
         mx.reset_peak_memory()
         self._target_key, draft_key = mx.random.split(mx.random.key(cfg.seed))
-
         first = self._start(prompt, cfg, want_hidden)
         yield Step([first], [], 0)
         if first in cfg.stop_tokens:
             return
 
-        policy.begin(sampling)  # what the adaptive policy learns is kept per sampling config
+        members.begin(default, own, sampling)  # what the adaptive policy learns is kept per sampling config
         t_decode = time.perf_counter()
         while stats.generated < cfg.max_tokens:
             remaining = cfg.max_tokens - stats.generated
-            wanted = policy.next_k()
+            member = members.next_member(drafter)  # who drafts this cycle (None: no one has a draft)
+            policy = own.get(member, default)
+            wanted = policy.next_k() if member is not None else 0
             k = self._draft_length(wanted, remaining)
             if k <= 0:
                 t = time.perf_counter()
                 n, stopped = 0, False
-                # a plain stretch the policy asked for, or the last token (no room for a draft): not timed
-                todo = min(policy.plain_run(), remaining) if wanted <= 0 else 1
-                for step in self._plain(cfg, todo, want_hidden, t_decode):
+                # a plain stretch the policy asked for, or until a member has a draft, cut short when another
+                # member could draft; or the last token (no room for a draft): not timed
+                todo = (remaining if member is None else min(policy.plain_run(), remaining)) if wanted <= 0 else 1
+                until = (lambda m=member: members.next_member(drafter) not in (None, m)) if drafter is not None else None
+                for step in self._plain(cfg, todo, want_hidden, t_decode, until):
                     n += 1
                     stopped = step.tokens[-1] in cfg.stop_tokens
                     yield step
-                if wanted <= 0:
+                if wanted <= 0 and member is not None:
                     policy.observe(0, 0, time.perf_counter() - t, tokens=n)
                 if stopped:
                     return
@@ -348,10 +353,11 @@ class Engine:
         return key
 
     def _plain(
-        self, cfg: GenerationConfig, n_tokens: int, want_hidden: HiddenRequest | None, t_decode: float
+        self, cfg: GenerationConfig, n_tokens: int, want_hidden: HiddenRequest | None, t_decode: float, until=None
     ) -> Iterator[Step]:
         """Decode n_tokens plainly, pipelined as in mlx-lm: step i+1 is built and started before token i
-        is read. One host read per token; the drafter (if any) is kept in step with k = 0 commits."""
+        is read. One host read per token; the drafter (if any) is kept in step with k = 0 commits.
+        `until()` true after a token: stop after the next one (already in flight), the stretch cut short."""
         sampling, stats, drafter = cfg.sampling, self.stats, self.drafter
         width = sampling.repetition_context
         no_draft = _no_draft()
@@ -379,6 +385,8 @@ class Engine:
             t_back = time.perf_counter()
             if drafter is not None:
                 drafter.commit(Verdict(0, 0, [tok]), current_hidden[-1:] if want_hidden else None)
+                if until is not None and i + 1 < n_tokens - 1 and until():
+                    n_tokens = i + 2  # token i + 1 is in flight: it ends the stretch
             if i + 1 < n_tokens:  # the step built above has fed `tok`
                 self._fed([tok], hidden)
             self._last = tok
@@ -388,5 +396,5 @@ class Engine:
             stats.decode_time = time.perf_counter() - t_decode
             stats.peak_memory = mx.get_peak_memory()
             yield Step(emitted, [], 0)
-            if stopped:
+            if stopped or i + 1 >= n_tokens:
                 return

@@ -15,9 +15,12 @@ ones. The first drafting cycle after a plain stretch is not timed: it carries th
 the stretch, which is the stretch's cost, not k's (when k has no measure yet, it stands in until the next
 timed cycle at k replaces it).
 
-Optimistic start: with no evidence at all it drafts at k = 1 from the first cycle, a burst of
-`bootstrap_cycles` cycles, then decodes `bootstrap_tokens` tokens plainly to time plain decoding, and
-chooses. A short answer is drafted from its start; a useless drafter costs those few cycles once.
+Optimistic start: with no evidence at all it drafts at k = `bootstrap_k` (1) from the first cycle, a
+burst of `bootstrap_cycles` cycles, then decodes `bootstrap_tokens` tokens plainly to time plain
+decoding, and chooses. A short answer is drafted from its start; a useless drafter costs those few cycles
+once. A drafter whose drafts cost nothing on the device (prompt lookup) starts at its longest draft
+instead: one burst then measures the acceptance at every position and the cost of a long verify, where
+climbing from k = 1 by probes would take hundreds of cycles.
 
 While drafting wins, every `probe_every` cycles it tries a neighbour of the best k (k+1, then k-1, which
 can be a short plain stretch), so a change of text or of costs is noticed. While plain decoding wins, the
@@ -58,7 +61,8 @@ class AdaptivePolicy:
     probe_every: int = 16  # while drafting: cycles between tries of a neighbouring length
     probe_cycles: int = 4  # while plain wins: drafting cycles after each plain stretch
     bootstrap_tokens: int = 8  # the first plain stretch (after the first burst), to time a plain token
-    bootstrap_cycles: int = 4  # the first drafting burst, at k = 1, from the first cycle (optimistic start)
+    bootstrap_cycles: int = 4  # the first drafting burst, at k = bootstrap_k, from the first cycle (optimistic start)
+    bootstrap_k: int = 1
     smoothing: float = 0.1  # weight of a new cycle time in the moving averages
     window: float = 128.0  # memory of the acceptance counts, in drafts per position
     prior_acceptance: float = 0.5  # Beta prior: optimistic enough that unobserved positions get tried
@@ -109,7 +113,7 @@ class AdaptivePolicy:
         return max(range(lowest, self.max_k + 1), key=lambda k: (self.speed(k), -k))
 
     def _start_burst(self, cycles: int) -> int:
-        self._burst_k = self.choose(lowest=1) if len(self.cost) >= 2 else 1
+        self._burst_k = self.choose(lowest=1) if len(self.cost) >= 2 else min(self.bootstrap_k, self.max_k)
         self._burst, self._in_burst = cycles - 1, True
         self._burst_hits = self._burst_tries = 0
         return self._burst_k
@@ -177,6 +181,11 @@ class AdaptivePolicy:
             self._regime = regime
         self._untimed = True
 
+    def for_member(self, **settings) -> "AdaptivePolicy":
+        """A fresh policy with these settings but `settings` (max_k, bootstrap_k): a chain member's
+        (core/members.py)."""
+        return type(self)(**{**{k: getattr(self, k) for k in _SETTINGS}, **settings})
+
     def _state(self) -> dict:
         """Everything learnt or in progress (every field but the settings and the per-regime store)."""
         return {k: v for k, v in vars(self).items() if k not in _SETTINGS and k not in ("_learnt", "_regime")}
@@ -227,7 +236,8 @@ class AdaptivePolicy:
 
 
 # the settings of AdaptivePolicy (a new setting goes here; every other field is learnt state)
-_SETTINGS = ("max_k", "probe_every", "probe_cycles", "bootstrap_tokens", "bootstrap_cycles", "smoothing", "window",
+_SETTINGS = ("max_k", "probe_every", "probe_cycles", "bootstrap_tokens", "bootstrap_cycles", "bootstrap_k", "smoothing",
+             "window",
              "prior_acceptance", "prior_weight", "min_step_cost", "min_stretch", "max_stretch")
 
 

@@ -1,6 +1,11 @@
 """Drafter chains (`ngram+mtp`, `ngram+eagle3`): prompt lookup when the context has a match, the model
 drafter otherwise (llama.cpp's n-gram-before-MTP chain, its PR 23269).
 
+Each cycle's member ("ngram" or the model drafter's name) is known before the engine picks k
+(`next_member`), so the engine keeps one draft-length policy per member: the n-gram drafts long where the
+text copies (its acceptance is high once it matches), the model drafter at its own short k, or not at all
+where it does not pay, without one member's misses shortening the other's drafts.
+
 Decided per cycle on the host from the committed tokens the engine already holds (the n-gram index is a
 dict on the host; no device read is added). Lossless at every temperature: which drafter drafts depends
 only on the committed history, and each drafter's proposal is verified by the same rule (an n-gram draft
@@ -23,12 +28,12 @@ from .ngram import NgramDrafter
 class ChainDrafter:
     needs_hidden: bool
 
-    def __init__(self, model_drafter, ngram: NgramDrafter | None = None, min_match: int = 1):
-        """`min_match`: fewest n-gram tokens that make the n-gram draft win (a shorter match -> the model)."""
+    def __init__(self, model_drafter, ngram: NgramDrafter | None = None):
         self.model = model_drafter
-        self.ngram = ngram or NgramDrafter(max_ngram=4, min_ngram=2)
-        self.min_match = min_match
+        self.ngram = ngram or NgramDrafter()
         self.name = f"ngram+{model_drafter.name}"
+        self.members = {self.ngram.name: self.ngram, model_drafter.name: model_drafter}
+        self.primary = model_drafter.name  # the member the engine's own policy serves (the others get theirs)
         self.needs_hidden = bool(getattr(model_drafter, "needs_hidden", False))
         if hasattr(model_drafter, "hidden_request"):
             self.hidden_request = model_drafter.hidden_request
@@ -39,9 +44,13 @@ class ChainDrafter:
         self.ngram.begin(tokens, None)
         self.model.begin(tokens, hidden)
 
+    def next_member(self) -> str:
+        """Who drafts the next cycle: the n-gram when the context has a match, else the model drafter."""
+        return self.ngram.name if self.ngram.match() else self.model.name
+
     def propose(self, k: int, sampling: SamplingConfig, key: mx.array) -> Draft:
-        found = self.ngram.lookup(k) if k > 0 else []
-        if len(found) >= self.min_match and found:
+        found = self.ngram.lookup(k)
+        if found:
             self.last = "ngram"
             self.cycles["ngram"] += 1
             return Draft(mx.array(found, dtype=mx.int32), None, host_tokens=found)
@@ -54,7 +63,7 @@ class ChainDrafter:
         self.model.commit(verdict, hidden)
 
     def max_draft(self) -> int | None:
-        return self.model.max_draft()
+        return None if self.ngram.match() else self.model.max_draft()
 
     def __getattr__(self, name):  # flush, cache, history, ... of the model drafter (tests, tools)
         if name == "model":

@@ -1,4 +1,19 @@
-"""Prompt lookup: draft the continuation of the latest earlier occurrence of the current suffix n-gram."""
+"""Prompt lookup: draft the continuation of the earlier occurrence that shares the longest suffix with
+the committed tokens.
+
+The match rule: among earlier positions whose last `min_ngram` tokens equal the context's last
+`min_ngram`, take the one whose backward match with the context's end is longest (compared up to
+`max_ngram` tokens), the most recent one on a tie. A longer match predicts acceptance: on the edit suite
+(SmolLM2-135M, greedy, offline over its outputs) a 1-token match had its first token accepted 15% of
+the time, a 2-token match 40%, 3 or more ~80%, with 7-10 tokens accepted on average. The longest match also keeps the alignment with the
+copied source across cycles: after a full accept the aligned occurrence matches further back than any
+recent repeat of a few tokens (a "most recent n-gram" rule jumps to those).
+
+A continuation that runs into the end of the context repeats with the period of the match.
+
+No match, no draft: `next_member()` is None and the engine decodes plainly until one appears, without a
+verify pass and without telling the draft-length policy (its statistics are those of matched drafts).
+"""
 
 import mlx.core as mx
 
@@ -9,40 +24,75 @@ from .base import Draft, Verdict
 class NgramDrafter:
     name = "ngram"
     needs_hidden = False
+    # the adaptive policy's settings (core/members.py): drafts of up to 16 (a verify of 17 tokens of a small
+    # model costs ~2 steps on a CPU), its first burst at 16: drafts cost nothing on the device, so one
+    # burst measures every position at once
+    policy_settings = {"max_k": 16, "bootstrap_k": 16}
 
-    def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
+    def __init__(self, min_ngram: int = 2, max_ngram: int = 64, max_candidates: int = 256):
+        """min_ngram: fewest matching tokens that make a draft; max_ngram: longest backward match compared
+        (longer ones tie, the most recent wins); max_candidates: most recent occurrences examined."""
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
-        self.sizes = range(max_ngram, min_ngram - 1, -1)
+        self.min_ngram, self.max_ngram, self.max_candidates = min_ngram, max_ngram, max_candidates
         self.tokens: list[int] = []
-        self.index: dict[tuple, int] = {}  # n-gram -> end position of its latest occurrence with a successor
+        self.index: dict[tuple, list[int]] = {}  # min_ngram-gram -> end positions with a successor, in order
         self._indexed = 0
+        self._match: tuple[int, tuple[int, int] | None] = (-1, None)  # (len(tokens), (end, length)) cached
 
     def begin(self, tokens: list[int], hidden: mx.array | None = None) -> None:
         self.tokens = list(tokens)
         self.index = {}
         self._indexed = 0
+        self._match = (-1, None)
 
     def _update_index(self) -> None:
-        # index n-grams ending at positions that already have a successor token
-        for end in range(self._indexed, len(self.tokens) - 1):
-            for n in self.sizes:
-                if end + 1 >= n:
-                    self.index[tuple(self.tokens[end + 1 - n : end + 1])] = end
-        self._indexed = max(self._indexed, len(self.tokens) - 1)
+        # index the n-grams ending at positions that already have a successor token
+        n, toks = self.min_ngram, self.tokens
+        for end in range(max(self._indexed, n - 1), len(toks) - 1):
+            self.index.setdefault(tuple(toks[end + 1 - n : end + 1]), []).append(end)
+        self._indexed = max(self._indexed, len(toks) - 1)
+
+    def match(self) -> tuple[int, int] | None:
+        """(end, length): the earlier occurrence ending at `end` whose backward match with the context's
+        end is longest (`length` tokens, at least min_ngram); None when there is none."""
+        toks = self.tokens
+        if self._match[0] == len(toks):
+            return self._match[1]
+        self._update_index()
+        found = None
+        if len(toks) > self.min_ngram:
+            last, best = len(toks) - 1, 0
+            for end in reversed(self.index.get(tuple(toks[-self.min_ngram :]), [])[-self.max_candidates :]):
+                m = self.min_ngram
+                while m < self.max_ngram and end - m >= 0 and toks[end - m] == toks[last - m]:
+                    m += 1
+                if m > best:  # strictly longer: on a tie the more recent (seen first) stays
+                    found, best = (end, m), m
+                    if m == self.max_ngram:
+                        break
+        self._match = (len(toks), found)
+        return found
 
     def lookup(self, k: int) -> list[int]:
-        self._update_index()
-        for n in self.sizes:
-            if len(self.tokens) < n:
-                continue
-            end = self.index.get(tuple(self.tokens[-n:]))
-            if end is not None:
-                return self.tokens[end + 1 : end + 1 + k]
-        return []
+        """The k tokens after the match. A continuation that reaches the end of the context goes on with
+        the same period (text that repeats every p tokens is predicted to keep repeating: a loop, a list of
+        like lines) instead of stopping at the end."""
+        found = self.match() if k > 0 else None
+        if not found:
+            return []
+        toks, start = self.tokens, found[0] + 1
+        out = toks[start : start + k]
+        while len(out) < k:  # out[j] = context[start + j], the context extended by the draft itself
+            out.append(out[start + len(out) - len(toks)])
+        return out
+
+    def next_member(self) -> str | None:
+        """Who drafts the next cycle: this drafter when the context has a match, else no one."""
+        return self.name if self.match() else None
 
     def propose(self, k: int, sampling: SamplingConfig, key: mx.array) -> Draft:
-        found = self.lookup(k) if k > 0 else []
+        found = self.lookup(k)
         return Draft(mx.array(found, dtype=mx.int32), None, host_tokens=found)
 
     def commit(self, verdict: Verdict, hidden: mx.array | None = None) -> None:
