@@ -109,6 +109,20 @@ def build_kernel(name: str, input_names: tuple, output_names: tuple, backend: st
     )
 
 
+_constants: dict = {}
+
+
+def cached_constant(key, make: Callable[[], mx.array]) -> mx.array:
+    """A small input made once and evaluated (a kernel's unused dummy input, its scale): a fresh mx.zeros
+    per launch would add a fill kernel to every call."""
+    with _lock:
+        if key not in _constants:
+            a = make()
+            mx.eval(a)
+            _constants[key] = a
+        return _constants[key]
+
+
 def differs_from_reference(out: mx.array, ref: mx.array) -> str | None:
     """None when a kernel's output agrees with its reference to float rounding (float32 outputs 1e-4,
     half outputs 2e-2, relative and absolute), else what differs (for probe checks)."""

@@ -30,7 +30,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from ..sampling import random_draws
-from . import Launch, Op, build_kernel
+from . import Launch, Op, build_kernel, cached_constant
 
 NAME = "acceptance"
 INPUT_NAMES = ("target", "draft", "qprobs", "uniforms")
@@ -116,11 +116,11 @@ def launch_spec(
         raise ValueError(f"target has {logits_or_probs.shape[0]} rows for {k} draft tokens")
     draft = draft_tokens.astype(mx.int32)
     if k == 0:
-        draft = mx.zeros((1,), mx.int32)
+        draft = cached_constant("acceptance no draft", lambda: mx.zeros((1,), mx.int32))
     has_q = draft_probs is not None and not greedy
-    qprobs = draft_probs if has_q else mx.zeros((1,), mx.float32)
+    qprobs = draft_probs if has_q else cached_constant("acceptance no q", lambda: mx.zeros((1,), mx.float32))
     if greedy:
-        u = mx.zeros((k + 1,), mx.float32)
+        u = cached_constant(("acceptance greedy u", k), lambda: mx.zeros((k + 1,), mx.float32))
     else:
         s = _f32(sample_uniform).reshape(1)
         u = mx.concatenate([uniforms.astype(mx.float32).reshape(k), s]) if k else s

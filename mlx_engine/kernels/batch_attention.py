@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from . import Launch, Op, build_kernel, differs_from_reference
+from . import Launch, Op, build_kernel, cached_constant, differs_from_reference
 
 NAME = "batch_attention"
 INPUT_NAMES = ("q", "k", "v", "qp", "kp", "scale")
@@ -116,19 +116,6 @@ def supported(q: mx.array, k: mx.array, v: mx.array, qp=None) -> bool:
     )
 
 
-_consts: dict = {}
-
-
-def _const(key, make) -> mx.array:
-    """A small evaluated constant (the unused qp/kp, the scale), made once: a fresh mx.zeros per call would
-    add a fill kernel to every attention launch."""
-    if key not in _consts:
-        a = make()
-        mx.eval(a)
-        _consts[key] = a
-    return _consts[key]
-
-
 def launch_spec(q, k, v, scale: float, causal: bool = True, qp=None, kp=None, warps=None, keys=KEYS_PER_ITER) -> Launch:
     if not supported(q, k, v, qp):
         raise ValueError(f"unsupported attention shapes q {q.shape}, k {k.shape}, v {v.shape}")
@@ -139,9 +126,9 @@ def launch_spec(q, k, v, scale: float, causal: bool = True, qp=None, kp=None, wa
     warps = warps or warps_for(DV)
     dp = 0 if qp is None else qp.shape[-1]
     if qp is None:
-        qp = kp = _const(("zeros", q.dtype), lambda: mx.zeros((1, 1, 1, 1), q.dtype))
+        qp = kp = cached_constant(("attention zeros", q.dtype), lambda: mx.zeros((1, 1, 1, 1), q.dtype))
     return Launch(
-        inputs=[q, k, v, qp, kp, _const(("scale", float(scale)), lambda: mx.array([scale], mx.float32))],
+        inputs=[q, k, v, qp, kp, cached_constant(("attention scale", float(scale)), lambda: mx.array([scale], mx.float32))],
         template=[
             ("T", q.dtype), ("D", D), ("DV", DV), ("DP", dp), ("CAUSAL", bool(causal)),
             ("SG", warps), ("KB", keys),

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from . import Launch, Op, build_kernel, differs_from_reference
+from . import Launch, Op, build_kernel, cached_constant, differs_from_reference
 
 NAME = "batch_qmm"
 INPUT_NAMES = ("x", "w", "scales", "biases", "idx")  # idx: experts of the gather form (gather_qmm.py)
@@ -172,7 +172,7 @@ def launch_spec(
     while -(-N // (r * sg)) > 65535 and sg < 32:  # CUDA allows 65535 threadgroups along y
         sg *= 2
     return Launch(
-        inputs=[x, w, scales, biases, _no_idx()],
+        inputs=[x, w, scales, biases, cached_constant("batch_qmm no idx", lambda: mx.zeros((1,), mx.uint32))],
         template=[
             ("T", x.dtype), ("BITS", bits), ("GS", group_size), ("R", r), ("GATHER", False), ("XDIV", 1),
             ("MB", row_bound(M)), ("PF", prefetch),
@@ -182,18 +182,6 @@ def launch_spec(
         output_shapes=[(M, N)],
         output_dtypes=[x.dtype],
     )
-
-
-_NO_IDX: list = []
-
-
-def _no_idx() -> mx.array:
-    """The unused idx input of the dense form, made once (a fresh mx.zeros would add a fill kernel per call)."""
-    if not _NO_IDX:
-        a = mx.zeros((1,), mx.uint32)
-        mx.eval(a)
-        _NO_IDX.append(a)
-    return _NO_IDX[0]
 
 
 def kernel(backend: str):
