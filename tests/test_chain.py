@@ -6,7 +6,6 @@ off)."""
 import itertools
 import json
 
-import mlx.core as mx
 import numpy as np
 import pytest
 
@@ -19,10 +18,10 @@ from mlx_engine.drafters.chain import ChainDrafter
 from mlx_engine.drafters.eagle3 import load_eagle3_drafter
 from mlx_engine.drafters.mtp import load_mtp_drafter
 from mlx_engine.drafters.ngram import NgramDrafter
-from mlx_engine.target.model import Target
 from reference import mlx_lm_greedy
 from test_ngram import Recording
 from test_distribution import N_SAMPLES, VOCAB, chi_square_p_value, exact_joint
+from test_eagle3 import assert_cache_equals_fresh_prefill
 from test_mtp_helpers import load_hf
 
 # repeats itself, so prompt lookup finds matches; the tiny models also fall into loops the n-gram catches
@@ -130,18 +129,8 @@ def test_model_drafter_sees_every_committed_token(llama6):
     assert chain.cycles["ngram"] > 0 and chain.cycles["eagle3"] > 0, chain.cycles
     inner = chain.model
     inner.flush()
-    history = inner.history
-    assert history == chain.ngram.tokens
-    n = len(history) - 1
-    tgt = Target(model)
-    _, feats = tgt.forward(mx.array(history[:-1]), tgt.make_cache(), inner.hidden_request)
-    fresh = load_eagle3_drafter(folder, model)
-    fresh.begin(history, feats)
-    fresh.flush()
-    got, want = inner.cache[0], fresh.cache[0]
-    assert got.offset == want.offset == n
-    for a, b in ((got.keys, want.keys), (got.values, want.values)):
-        np.testing.assert_allclose(np.array(a[..., :n, :]), np.array(b[..., :n, :]), rtol=1e-4, atol=1e-4)
+    assert inner.history == chain.ngram.tokens
+    assert_cache_equals_fresh_prefill(inner, model, folder)
 
 
 @pytest.mark.slow  # 1500 generations: ~20-35 s on the shared CPU

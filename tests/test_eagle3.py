@@ -117,6 +117,12 @@ def test_accepted_slots_are_refed_with_target_features(tmp_path_factory, target)
     for _ in range(4):
         next(gen)
     assert engine.stats.accepted >= 3
+    assert_cache_equals_fresh_prefill(drafter, model, folder)
+
+
+def assert_cache_equals_fresh_prefill(drafter, model, folder):
+    """The head's cache equals that of a fresh head prefilled in one batch over the drafter's history and
+    the target's features of it (no draft-time entry left behind)."""
     drafter.flush()
     history = drafter.history
     n = len(history) - 1
