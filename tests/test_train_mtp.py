@@ -67,11 +67,7 @@ def test_loss_decreases_and_resume_is_exact(setup):
     assert json.loads((part / "checkpoint" / "state.json").read_text())["step"] == 12
     part = _train(root, folder, corpus, "part", "--steps", "24", "--resume")
     assert json.loads((part / "checkpoint" / "state.json").read_text())["step"] == 24
-    for name in ("head.safetensors", "optimizer.safetensors"):
-        a, b = mx.load(str(full / "checkpoint" / name)), mx.load(str(part / "checkpoint" / name))
-        assert set(a) == set(b)
-        for k in a:
-            assert mx.allclose(a[k], b[k], atol=1e-6).item(), (name, k)
+    assert_same_checkpoint(full, part)
     meta = json.loads((full / "mtp.json").read_text())
     assert meta["family"] == "trained" and meta["target"] == "llama" and meta["steps"] == 24
     # the head is lossless through the engine, loaded from --mtp-weights
@@ -186,3 +182,12 @@ def test_an_interrupted_run_leaves_a_resumable_state(setup, tmp_path, monkeypatc
     assert main(argv + ["--resume"]) == 0
     assert calls == []  # the corpus is complete: nothing generated again
     assert json.loads((out / "mtp.json").read_text())["steps"] == 6
+
+
+def assert_same_checkpoint(a_run, b_run):
+    """Two training runs' checkpoints (head and optimizer state) hold the same arrays."""
+    for name in ("head.safetensors", "optimizer.safetensors"):
+        a, b = mx.load(str(a_run / "checkpoint" / name)), mx.load(str(b_run / "checkpoint" / name))
+        assert set(a) == set(b)
+        for k in a:
+            assert mx.allclose(a[k], b[k], atol=1e-6).item(), (name, k)
