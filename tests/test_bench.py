@@ -121,3 +121,23 @@ def test_bench_eagle3_bad_path_is_one_error_line(tmp_path, capsys):
                  "--out", str(tmp_path / "r.json")]) == 2
     err = [line for line in capsys.readouterr().err.strip().splitlines() if not line.startswith("note: ")]
     assert len(err) == 1 and err[0].startswith("error: ") and "nope" in err[0], err
+
+
+def test_every_mode_ends_an_answer_at_the_same_stop_token():
+    """With stop tokens (the default: the model's end of turn), mlx-lm's and the engine's runs end at the
+    first one and count the same tokens, the stop token included; without, both run to max_tokens."""
+    import tiny_models
+    from mlx_engine import Engine, NgramDrafter
+    from mlx_engine.bench.modes import run_engine, run_mlx_lm
+    from reference import mlx_lm_greedy
+
+    model, _ = tiny_models.build("llama", seed=1)  # its greedy output has new tokens after the first few
+    prompt = [3, 17, 42, 9, 200, 11, 5, 77, 3, 17, 42]
+    ref = mlx_lm_greedy(model, prompt, 24)
+    at = next(i for i in range(3, 24) if ref[i] not in ref[:i])  # the first time this token is emitted
+    stop = frozenset({ref[at]})
+    runs = [run_mlx_lm(model, prompt, 24, 0.0, 0, stop=stop), run_engine(Engine(model), prompt, 24, 0.0, 0, 0, stop),
+            run_engine(Engine(model, NgramDrafter(min_ngram=1)), prompt, 24, 0.0, 0, 4, stop)]
+    assert [r.tokens for r in runs] == [at] * 3
+    full = [run_mlx_lm(model, prompt, 24, 0.0, 0), run_engine(Engine(model), prompt, 24, 0.0, 0, 0)]
+    assert [r.tokens for r in full] == [23, 23]

@@ -24,8 +24,10 @@ class Result:
     wall: float = 0.0  # seconds from the call to the last token, prefill included (end to end)
 
 
-def run_mlx_lm(model, prompt: list[int], max_tokens: int, temp: float, seed: int, draft_model=None, k: int = 0) -> Result:
-    """mlx-lm's own generate_step / speculative_generate_step."""
+def run_mlx_lm(model, prompt: list[int], max_tokens: int, temp: float, seed: int, draft_model=None, k: int = 0,
+               stop: frozenset = frozenset()) -> Result:
+    """mlx-lm's own generate_step / speculative_generate_step, ended after a `stop` token (counted, as the
+    engine counts it)."""
     from mlx_lm.generate import generate_step, speculative_generate_step
     from mlx_lm.sample_utils import make_sampler
 
@@ -40,10 +42,12 @@ def run_mlx_lm(model, prompt: list[int], max_tokens: int, temp: float, seed: int
             mx.array(prompt), model, draft_model, num_draft_tokens=k, max_tokens=max_tokens, sampler=sampler))
     accepted = n = 0
     t0 = None
-    for n, (_, from_draft) in enumerate(steps):
+    for n, (tok, from_draft) in enumerate(steps):
         if n == 0:
             t0 = time.perf_counter()
         accepted += bool(from_draft)
+        if int(tok) in stop:
+            break
     end = time.perf_counter()
     seconds = end - t0
     cycles = n - accepted  # every non-draft token closes one verify cycle (the first came from prefill)
@@ -51,8 +55,10 @@ def run_mlx_lm(model, prompt: list[int], max_tokens: int, temp: float, seed: int
                   accepted=accepted, peak_memory=mx.get_peak_memory(), wall=end - start)
 
 
-def run_engine(engine: Engine, prompt: list[int], max_tokens: int, temp: float, seed: int, k) -> Result:
-    cfg = GenerationConfig(max_tokens=max_tokens, num_draft=k, sampling=SamplingConfig(temperature=temp), seed=seed)
+def run_engine(engine: Engine, prompt: list[int], max_tokens: int, temp: float, seed: int, k,
+               stop: frozenset = frozenset()) -> Result:
+    cfg = GenerationConfig(max_tokens=max_tokens, num_draft=k, sampling=SamplingConfig(temperature=temp), seed=seed,
+                           stop_tokens=frozenset(stop))
     start = time.perf_counter()
     for _ in engine.generate(prompt, cfg):
         pass

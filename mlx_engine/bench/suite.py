@@ -115,15 +115,18 @@ def registry_drafters(args, loaded, mtp_ok: bool) -> dict:
     return out
 
 
-def build_modes(args, model, draft_model, mtp, random_mtp, more: dict | None = None) -> list[Mode]:
+def build_modes(args, model, draft_model, mtp, random_mtp, more: dict | None = None,
+                stop: frozenset = frozenset()) -> list[Mode]:
+    """stop: the tokens that end an answer in every mode (empty: each runs to --max-tokens)."""
     ks = args.ks
-    modes = [Mode("mlx-lm plain", lambda p, n, t, s: run_mlx_lm(model, p, n, t, s), "mlx-lm")]
+    modes = [Mode("mlx-lm plain", lambda p, n, t, s: run_mlx_lm(model, p, n, t, s, stop=stop), "mlx-lm")]
     for k in ks:
-        modes.append(Mode(f"mlx-lm draft k={k}", lambda p, n, t, s, k=k: run_mlx_lm(model, p, n, t, s, draft_model, k), "mlx-lm"))
+        modes.append(Mode(f"mlx-lm draft k={k}",
+                          lambda p, n, t, s, k=k: run_mlx_lm(model, p, n, t, s, draft_model, k, stop=stop), "mlx-lm"))
 
     def engine_mode(name, drafter, k):
         engine = Engine(model, drafter)
-        return Mode(name, lambda p, n, t, s: run_engine(engine, p, n, t, s, k), "engine")
+        return Mode(name, lambda p, n, t, s: run_engine(engine, p, n, t, s, k, stop=stop), "engine")
 
     modes.append(engine_mode("engine plain", None, 0))
     subset = None
@@ -232,6 +235,9 @@ def parser() -> ArgumentParser:
     ap.add_argument("--prompts", type=count(1), default=8, help="prompts from the suite (default 8)")
     ap.add_argument("--max-tokens", type=count(2), default=64,
                     help="tokens per generation, >= 2: decode speed is timed after the first (default 64)")
+    ap.add_argument("--ignore-eos", action="store_true",
+                    help="run every generation to --max-tokens, past the end of the answer (default: stop at the "
+                         "model's end-of-turn tokens, as a user's answer does; the same place in every mode at T=0)")
     ap.add_argument("--trials", type=count(1), default=3, help="timed trials, after one warm-up (default 3)")
     ap.add_argument("--warmup-prompts", type=count(1), default=None,
                     help="prompts the warm-up trial runs (default: all); the warm-up only loads and compiles")
@@ -290,7 +296,8 @@ def run(args, argv) -> int:
         print(f"note: no MTP modes ({e})", file=sys.stderr)
 
     prompts = load_prompts(args.suite, args.prompts, tok)
-    modes = build_modes(args, model, draft_model, mtp, random_mtp, registry_drafters(args, loaded, mtp is not None))
+    stop = frozenset() if args.ignore_eos else frozenset(getattr(tok, "eos_token_ids", None) or ())
+    modes = build_modes(args, model, draft_model, mtp, random_mtp, registry_drafters(args, loaded, mtp is not None), stop)
     temps = args.temps
     out = Path(args.out) if args.out else default_out()
     results = {(m.name, t): [] for m in modes for t in temps}
