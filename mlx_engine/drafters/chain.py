@@ -32,26 +32,28 @@ class ChainDrafter:
         self.model = model_drafter
         self.ngram = ngram or NgramDrafter()
         self.name = f"ngram+{model_drafter.name}"
-        self.members = {self.ngram.name: self.ngram, model_drafter.name: model_drafter}
+        self.members = {**self.ngram.members, model_drafter.name: model_drafter}  # the n-gram's match classes
         self.primary = model_drafter.name  # the member the engine's own policy serves (the others get theirs)
         self.needs_hidden = bool(getattr(model_drafter, "needs_hidden", False))
         if hasattr(model_drafter, "hidden_request"):
             self.hidden_request = model_drafter.hidden_request
         self.cycles = {"ngram": 0, model_drafter.name: 0}  # which drafter drafted, per cycle
-        self.last = None
+        self.last = None  # the member that drafted the last cycle
 
     def begin(self, tokens: list[int], hidden: mx.array | None) -> None:
         self.ngram.begin(tokens, None)
         self.model.begin(tokens, hidden)
 
     def next_member(self) -> str:
-        """Who drafts the next cycle: the n-gram when the context has a match, else the model drafter."""
-        return self.ngram.name if self.ngram.match() else self.model.name
+        """Who drafts the next cycle: the n-gram when the context has a match ("ngram" or "ngram:long" by
+        its length), else the model drafter."""
+        return self.ngram.next_member() or self.model.name
 
     def propose(self, k: int, sampling: SamplingConfig, key: mx.array) -> Draft:
+        member = self.ngram.next_member()
         found = self.ngram.lookup(k)
         if found:
-            self.last = "ngram"
+            self.last = member
             self.cycles["ngram"] += 1
             return Draft(mx.array(found, dtype=mx.int32), None, host_tokens=found)
         self.last = self.model.name
