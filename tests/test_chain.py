@@ -66,14 +66,14 @@ def test_ngram_mtp_greedy_equals_plain(tmp_path_factory):
 
 
 def test_under_auto_each_member_drafts_by_its_own_policy(llama6):
-    """The n-gram member gets its own policy (its longest draft 16, first burst at 16) while the engine's
-    policy serves the model drafter (8); each sees only its member's cycles; output == plain."""
+    """Each class of n-gram match gets its own policy (its longest draft 16, first burst at 16) while the
+    engine's policy serves the model drafter (8); each sees only its member's cycles; output == plain."""
     model, folder = llama6
     chain = ChainDrafter(load_eagle3_drafter(folder, model), NgramDrafter(min_ngram=1))
     engine = Engine(model, chain)
     assert engine.policy.max_k == 8
     engine.policy = Recording(max_k=8)  # the modelled costs (no timings), and a record of k
-    drafted_by = {"ngram": [], "eagle3": []}
+    drafted_by = {"ngram": [], "ngram:long": [], "eagle3": []}
     for _ in range(2):  # what each policy learnt carries over to the next generation
         gen = engine.generate(PROMPT, GenerationConfig(max_tokens=64, num_draft="auto"))
         out = []
@@ -82,12 +82,14 @@ def test_under_auto_each_member_drafts_by_its_own_policy(llama6):
             if step.draft:
                 drafted_by[chain.last].append(len(step.draft))
         assert out == mlx_lm_greedy(model, PROMPT, 64)
-    own = engine.member_policies["ngram"]
-    assert type(own) is Recording and own is not engine.policy
-    assert (own.max_k, own.bootstrap_k) == (16, 16) and own.asked[0] == 16
-    assert drafted_by["ngram"] and drafted_by["eagle3"], drafted_by
-    assert max(drafted_by["eagle3"]) <= 8 and max(drafted_by["ngram"]) > 8, drafted_by
-    assert [k for k, _ in own.told if k] == drafted_by["ngram"]  # each policy told of its own cycles only
+    assert all(drafted_by.values()), drafted_by  # the tiny model loops: short and long matches both occur
+    for name in ("ngram", "ngram:long"):
+        own = engine.member_policies[name]
+        assert type(own) is Recording and own is not engine.policy
+        assert (own.max_k, own.bootstrap_k) == (16, 16) and own.asked[0] == 16
+        assert [k for k, _ in own.told if k] == drafted_by[name]  # each policy told of its own cycles only
+    assert engine.member_policies["ngram"] is not engine.member_policies["ngram:long"]
+    assert max(drafted_by["eagle3"]) <= 8 and max(drafted_by["ngram"] + drafted_by["ngram:long"]) > 8, drafted_by
     assert [k for k, _ in engine.policy.told if k] == drafted_by["eagle3"]
 
 
@@ -170,3 +172,22 @@ def test_cli_chains(tmp_path_factory, capsys):
     assert main([*args, "--drafter", "ngram+eagle3"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "--eagle3" in err
+
+
+def test_a_plain_token_timed_by_one_member_is_known_to_every_policy():
+    """Prompt lookup's first burst is followed by a plain stretch only to time a plain token when no policy
+    of the generation has timed one yet (members.observe_plain shares the measure)."""
+    from mlx_engine.core import members
+    from mlx_engine.core.policy import AdaptivePolicy
+
+    def after_first_burst(policy):
+        for _ in range(policy.bootstrap_cycles):
+            assert policy.next_k() == 16
+            policy.observe(16, 16, 0.25)
+        return policy.next_k()
+
+    default, shared, alone = AdaptivePolicy(), AdaptivePolicy(max_k=16, bootstrap_k=16), AdaptivePolicy(max_k=16, bootstrap_k=16)
+    members.observe_plain(default, default, {"ngram": shared}, seconds=0.8, tokens=8)
+    assert default.cost[0] == shared.cost[0] == 0.1 and 0 not in alone.cost
+    assert after_first_burst(shared) > 0  # drafts on (17 tokens for 0.25 s beat a plain 0.1 s token)
+    assert after_first_burst(alone) == 0 and alone.plain_run() == alone.bootstrap_tokens  # times plain first

@@ -244,7 +244,7 @@ class Engine:
                     stopped = step.tokens[-1] in cfg.stop_tokens
                     yield step
                 if wanted <= 0 and member is not None:
-                    policy.observe(0, 0, time.perf_counter() - t, tokens=n)
+                    members.observe_plain(policy, default, own, time.perf_counter() - t, n)
                 if stopped:
                     return
                 continue

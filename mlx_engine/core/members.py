@@ -12,11 +12,13 @@ from .policy import FixedPolicy
 DEFAULT_MAX_K = 8
 
 
-def settings(drafter, max_draft: int | None = None) -> dict:
+def settings(drafter, max_draft: int | None = None, member: str | None = None) -> dict:
     """The adaptive policy's settings for a drafter: 8 drafts at most, and the drafter's own
     `policy_settings` (prompt lookup: up to 16, its first burst at 16, since its drafts cost nothing on
-    the device); `max_draft` caps them all."""
-    out = {"max_k": DEFAULT_MAX_K, **getattr(drafter, "policy_settings", {})}
+    the device), then those of the member (`member_settings[member]`: a long n-gram match's prior);
+    `max_draft` caps them all."""
+    out = {"max_k": DEFAULT_MAX_K, **getattr(drafter, "policy_settings", {}),
+           **getattr(drafter, "member_settings", {}).get(member, {})}
     if max_draft:
         out["max_k"] = max_draft
     if "bootstrap_k" in out:
@@ -34,7 +36,8 @@ def next_member(drafter) -> str | None:
 def policies(drafter, policy, own: dict, num_draft, max_draft: int | None = None) -> tuple:
     """(the policy of this generation, {member: its own policy}). `own` holds the members' policies across
     generations and is filled here. Only under `auto`, and only when `policy` can make one (`for_member`):
-    a replaced engine policy without it (the chat's live one) serves every member."""
+    a replaced engine policy without it serves every member (the chat's live one has it: each member's
+    own policy under the same live controls)."""
     if drafter is None or num_draft != "auto":
         return FixedPolicy(0 if drafter is None else num_draft), {}
     if not hasattr(policy, "for_member"):
@@ -42,8 +45,25 @@ def policies(drafter, policy, own: dict, num_draft, max_draft: int | None = None
     primary = getattr(drafter, "primary", None)
     for name, member in getattr(drafter, "members", {}).items():
         if name != primary and name not in own:
-            own[name] = policy.for_member(**settings(member, max_draft))
+            own[name] = policy.for_member(**settings(member, max_draft, name))
     return policy, own
+
+
+def observe_plain(policy, default, own: dict, seconds: float, tokens: int) -> None:
+    """`policy` asked for a plain stretch of `tokens` tokens that took `seconds`. A plain token costs the
+    same whichever member's policy timed it, so every policy of the generation takes the new measure: a
+    member's policy then never spends a plain stretch of its own timing it (prompt lookup's first burst
+    would be followed by 8 plain tokens in the middle of a copy)."""
+    policy.observe(0, 0, seconds, tokens=tokens)
+    cost = getattr(_adaptive(policy), "cost", {}).get(0)
+    if cost is not None:
+        for other in (default, *own.values()):
+            if isinstance(getattr(_adaptive(other), "cost", None), dict):
+                _adaptive(other).cost[0] = cost
+
+
+def _adaptive(policy):
+    return getattr(policy, "inner", None) or policy  # the chat's live policy wraps the adaptive one
 
 
 def begin(policy, own: dict, regime) -> None:

@@ -138,7 +138,8 @@ class AdaptivePolicy:
             else:
                 self._burst -= 1
                 return self._burst_k
-        if not self.cost:  # no evidence at all: optimistic start, draft k = 1 from the first cycle
+        if not self.cost.keys() - {0}:  # no drafting measured (a plain token's cost may be shared by another
+            # member's policy, core/members.py): optimistic start, draft at bootstrap_k from the first cycle
             return self._start_burst(self.bootstrap_cycles)
         if 0 not in self.cost or self._plain_left > 0:
             return 0  # time plain decoding (after the first burst), or the rest of a plain stretch
