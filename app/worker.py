@@ -57,15 +57,22 @@ class LivePolicy:
 
     PLAIN_STRETCH = 16
 
-    def __init__(self, worker: "EngineWorker", inner=None):
+    def __init__(self, worker: "EngineWorker", inner=None, shown: "LivePolicy | None" = None):
         self.worker = worker
         self.inner = inner  # the engine's AdaptivePolicy (or None)
         self.last_k = 0  # k chosen for the cycle that produced the latest step
+        self.shown = shown or self  # whose last_k the stats panel reads (a chain member's: its engine's)
 
     def next_k(self) -> int:
         k = self.worker._live_k(self.inner)
-        self.last_k = k
+        self.last_k = self.shown.last_k = k
         return k
+
+    def for_member(self, **settings) -> "LivePolicy":
+        """A chain member's own policy (core/members.py: its own acceptance, costs and k), under the same
+        live controls: off, a fixed k, or auto through the member's own adaptive policy."""
+        inner = self.inner.for_member(**settings) if self.inner is not None else None
+        return LivePolicy(self.worker, inner, shown=self.shown)
 
     def plain_run(self) -> int:
         if self.inner is not None and self.worker._live_mode() == "auto":
