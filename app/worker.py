@@ -274,7 +274,7 @@ class EngineWorker:
         except Exception as e:
             self.post(ModelLoadFailed(f"the model loaded but could not run: {type(e).__name__}: {e}"))
             return
-        engine.drafter = drafter
+        engine = Engine(loaded.model, drafter)  # its policy set for this drafter (prompt lookup drafts up to 16)
         self.loaded, self.engine, self.drafter = loaded, engine, drafter
         info = f"{loaded.config.get('model_type', '?')}, vocab {engine.target.vocab_size}"
         name = model_name(str(path))

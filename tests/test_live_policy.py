@@ -54,3 +54,18 @@ def test_off_and_a_fixed_k_bind_every_member():
     worker.set_live(3, True)
     out, drafts = run(engine)
     assert out == mlx_lm_greedy(model, PROMPT, 48) and 0 < max(drafts) <= 3
+
+
+def test_the_chat_engine_gets_its_drafters_policy_settings(tmp_path):
+    """The worker warms the model up without a drafter; the engine it keeps has the drafter's own policy
+    settings (prompt lookup: up to 16 from a first burst at 16), not a drafterless engine's (8)."""
+    import model_dirs
+    from app.worker import LoadRequest
+
+    folder = model_dirs.save_tiny(tmp_path / "tiny", seed=1)
+    messages = []
+    worker = EngineWorker(post=messages.append)
+    worker._load(LoadRequest(model=str(folder), drafter="ngram"))
+    assert type(messages[-1]).__name__ == "ModelLoaded", messages[-1]
+    assert worker.engine.drafter is worker.drafter and worker.drafter.name == "ngram"
+    assert (worker.engine.policy.max_k, worker.engine.policy.bootstrap_k) == (16, 16)
