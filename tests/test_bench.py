@@ -141,3 +141,22 @@ def test_every_mode_ends_an_answer_at_the_same_stop_token():
     assert [r.tokens for r in runs] == [at] * 3
     full = [run_mlx_lm(model, prompt, 24, 0.0, 0), run_engine(Engine(model), prompt, 24, 0.0, 0, 0)]
     assert [r.tokens for r in full] == [23, 23]
+
+
+def test_each_registry_mode_gets_only_its_own_checkpoint(monkeypatch):
+    """With an MTP head and --eagle3 both present, ngram+mtp is built without the EAGLE-3 folder (the
+    registry refuses another kind's checkpoint: the bench stopped with that error on the embedded model)."""
+    from types import SimpleNamespace
+
+    from mlx_engine.bench.suite import registry_drafters
+    from mlx_engine.drafters import registry
+
+    seen = {}
+    monkeypatch.setattr(registry, "make_drafter", lambda kind, loaded, opts: seen.setdefault(kind, opts))
+    args = SimpleNamespace(mtp_weights="head.safetensors", eagle3="e3", dflash="dfl", assistant=None)
+    made = registry_drafters(args, loaded=None, mtp_ok=True)
+    assert set(made) == set(seen) == {"ngram+mtp", "eagle3", "ngram+eagle3", "dflash"}
+    assert seen["ngram+mtp"].eagle3 is None and seen["ngram+mtp"].dflash is None
+    assert seen["eagle3"].eagle3 == seen["ngram+eagle3"].eagle3 == "e3" and seen["eagle3"].dflash is None
+    assert seen["dflash"].dflash == "dfl" and seen["dflash"].eagle3 is None
+    assert all(o.mtp_weights == "head.safetensors" for o in seen.values())

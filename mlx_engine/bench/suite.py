@@ -101,17 +101,17 @@ def registry_drafters(args, loaded, mtp_ok: bool) -> dict:
     is given (--eagle3, --dflash, --assistant)."""
     from ..drafters import registry
 
-    opts = registry.DrafterOptions(mtp_weights=args.mtp_weights, eagle3=args.eagle3, dflash=args.dflash,
-                                   assistant=args.assistant)
+    paths = {"eagle3": args.eagle3, "dflash": args.dflash, "gemma4-assistant": args.assistant}
     kinds = (["ngram+mtp"] if mtp_ok else []) + (["eagle3", "ngram+eagle3"] if args.eagle3 else []) \
         + (["dflash"] if args.dflash else []) + (["gemma4-assistant"] if args.assistant else [])
     out = {}
-    for kind in kinds:
+    for kind in kinds:  # each kind gets its own checkpoint only (the registry refuses another kind's)
+        opts = registry.DrafterOptions.for_kind(kind, paths.get(kind.split("+")[-1]), mtp_weights=args.mtp_weights)
         try:
             registry.make_drafter(kind, loaded, opts)  # fail here, before any timing
         except registry.DrafterError as e:
             raise BenchInputError(str(e)) from None
-        out[kind] = lambda kind=kind: registry.make_drafter(kind, loaded, opts)
+        out[kind] = lambda kind=kind, opts=opts: registry.make_drafter(kind, loaded, opts)
     return out
 
 
