@@ -1,4 +1,4 @@
-"""`python -m app [--model M] [--drafter none|draft|ngram|mtp] [--draft-model P] [--num-draft K|auto] [--temp T]`
+"""`python -m app [--model M] [--drafter none|draft|ngram|mtp|ngram+mtp|...] [--draft-model P] [--num-draft K|auto] [--temp T]`
 
 Options given here override the saved settings for this run (settings.json in the config folder:
 $MLX_ENGINE_CONFIG_DIR, else $XDG_CONFIG_HOME/mlx-engine, else ~/.config/mlx-engine).
@@ -39,7 +39,7 @@ def parser() -> argparse.ArgumentParser:
     p = ArgumentParser(prog="python -m app", description="mlx-engine chat: live draft acceptance and tok/s. Options "
                        "given here override the saved settings (" + str(settings_path()) + ") for this run.")
     p.add_argument("--model", help="hub id, local folder or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--drafter", choices=DRAFTERS, help="how drafts are made (default: saved setting, else mtp, falling back to ngram)")
+    p.add_argument("--drafter", choices=DRAFTERS, help="how drafts are made (default: saved setting, else ngram+mtp, falling back to ngram)")
     p.add_argument("--draft-model", help="the draft model for --drafter draft (same tokenizer as the target)")
     p.add_argument("--dflash", help="DFlash checkpoint folder (implies --drafter dflash)")
     p.add_argument("--assistant", help="Gemma 4 assistant checkpoint folder (implies --drafter gemma4-assistant)")

@@ -32,7 +32,9 @@ def settings_path() -> Path:
 
 @dataclass
 class Settings:
-    drafter: str = "mtp"  # none | draft | ngram | mtp (mtp falls back to ngram for models without heads)
+    # any registry kind; the default measured fastest on the chat and edit suites (bench/results/*-v3.json);
+    # a model without an MTP head falls back to ngram
+    drafter: str = "ngram+mtp"
     draft_model: str | None = None
     num_draft: int | str = "auto"  # k, or "auto" (drafts k = 1 from the first cycle, then what measures fastest)
     temperature: float = 0.0
