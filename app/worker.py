@@ -69,10 +69,8 @@ class LivePolicy:
         return k
 
     def for_member(self, **settings) -> "LivePolicy":
-        """A chain member's own policy (core/members.py: its own acceptance, costs and k), under the same
-        live controls: off, a fixed k, or auto through the member's own adaptive policy."""
-        inner = self.inner.for_member(**settings) if self.inner is not None else None
-        return LivePolicy(self.worker, inner, shown=self.shown)
+        """A chain member's own adaptive policy (core/members.py) under the same live controls (off, fixed k)."""
+        return LivePolicy(self.worker, self.inner and self.inner.for_member(**settings), shown=self.shown)
 
     def plain_run(self) -> int:
         if self.inner is not None and self.worker._live_mode() == "auto":
