@@ -160,3 +160,14 @@ def test_each_registry_mode_gets_only_its_own_checkpoint(monkeypatch):
     assert seen["eagle3"].eagle3 == seen["ngram+eagle3"].eagle3 == "e3" and seen["eagle3"].dflash is None
     assert seen["dflash"].dflash == "dfl" and seen["dflash"].eagle3 is None
     assert all(o.mtp_weights == "head.safetensors" for o in seen.values())
+
+
+def test_ignore_eos_runs_every_mode_to_max_tokens(tmp_path):
+    model = model_dirs.save_tiny(tmp_path / "tiny", seed=1)
+    out = tmp_path / "r.json"
+    rc = main(["--model", str(model), "--draft-model", "layers:1", "--prompts", "2", "--max-tokens", "6", "--trials",
+               "1", "--temps", "0", "--ks", "1", "--modes", "plain,engine ngram", "--ignore-eos", "--out", str(out)])
+    assert rc == 0
+    report = json.loads(out.read_text())
+    assert report["args"]["ignore_eos"] is True
+    assert {r["tokens"] for r in report["results"]} == {2 * 5}  # 2 prompts x 5 tokens timed after the first
