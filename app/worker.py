@@ -254,31 +254,30 @@ class EngineWorker:
         except Exception as e:  # anything the loaders let through: shown, never a traceback
             self.post(ModelLoadFailed(f"could not load {req.model or 'the default model'}: {type(e).__name__}: {e}"))
             return
-        engine = Engine(loaded.model)
         warning = None
         drafter = None
         if req.drafter != "none":
             self.post(ModelLoading(f"Setting up the {req.drafter} drafter", 2, total))
             try:
-                drafter = self._make_drafter(req, loaded, engine)
+                drafter = self._make_drafter(req, loaded)
             except Exception as e:  # e.g. a model without MTP heads: fall back to prompt lookup
                 warning = f"drafter '{req.drafter}' unavailable, using ngram (prompt lookup) instead: {e}"
                 drafter = NgramDrafter()
         self.post(ModelLoading("Warming up", total - 1, total))
         try:
             tokens = encode_chat(loaded.tokenizer, [{"role": "user", "content": "hi"}])[:8] or [0]
-            for _ in engine.generate(tokens, GenerationConfig(max_tokens=2, num_draft=0)):
+            for _ in Engine(loaded.model).generate(tokens, GenerationConfig(max_tokens=2, num_draft=0)):  # no drafter
                 pass
         except Exception as e:
             self.post(ModelLoadFailed(f"the model loaded but could not run: {type(e).__name__}: {e}"))
             return
-        engine = Engine(loaded.model, drafter)  # its policy set for this drafter (prompt lookup drafts up to 16)
+        engine = Engine(loaded.model, drafter)  # built with its drafter: the policy gets the drafter's settings
         self.loaded, self.engine, self.drafter = loaded, engine, drafter
         info = f"{loaded.config.get('model_type', '?')}, vocab {engine.target.vocab_size}"
         name = model_name(str(path))
         self.post(ModelLoaded(name, drafter.name if drafter is not None else "none", info, warning))
 
-    def _make_drafter(self, req: LoadRequest, loaded, engine: Engine):
+    def _make_drafter(self, req: LoadRequest, loaded):
         # one path field: the draft model, the DFlash checkpoint or the Gemma 4 assistant, by kind
         return make_drafter(req.drafter, loaded, DrafterOptions.for_kind(req.drafter, req.draft_model))
 

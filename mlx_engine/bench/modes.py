@@ -58,7 +58,7 @@ def run_mlx_lm(model, prompt: list[int], max_tokens: int, temp: float, seed: int
 def run_engine(engine: Engine, prompt: list[int], max_tokens: int, temp: float, seed: int, k,
                stop: frozenset = frozenset()) -> Result:
     cfg = GenerationConfig(max_tokens=max_tokens, num_draft=k, sampling=SamplingConfig(temperature=temp), seed=seed,
-                           stop_tokens=frozenset(stop))
+                           stop_tokens=stop)
     start = time.perf_counter()
     for _ in engine.generate(prompt, cfg):
         pass

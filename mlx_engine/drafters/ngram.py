@@ -37,9 +37,8 @@ class NgramDrafter:
     policy_settings = {"max_k": 16, "bootstrap_k": 16}
     # a long match's continuation is accepted almost whole (above: ~0.97 per position): its policy starts
     # from that prior, so the few long-match cycles of an answer are not spent climbing from 0.5
-    member_settings = {"ngram:long": {"prior_acceptance": 0.9}}
-
     long_name = "ngram:long"
+    member_settings = {long_name: {"prior_acceptance": 0.9}}
 
     def __init__(self, min_ngram: int = 2, max_ngram: int = 64, max_candidates: int = 256, long_match: int = 8):
         """min_ngram: fewest matching tokens that make a draft; max_ngram: longest backward match compared
