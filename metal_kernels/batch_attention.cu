@@ -30,6 +30,14 @@ __shared__ float part_m[SG];
 __shared__ float part_l[SG];
 __shared__ float part_o[SG * DV];
 
+if (i >= live[0]) {  // a pad row of a fixed-row pass: zeros, no key read (every thread of the group returns)
+  const int64_t zoff = ((int64_t(b) * Hq + h) * L + i) * DV;
+  for (int d = tid; d < DV; d += 32 * SG) {
+    out[zoff + d] = static_cast<T>(0.0f);
+  }
+  return;
+}
+
 const int64_t qoff = b * q_strides[0] + h * q_strides[1] + i * q_strides[2];
 const int64_t koff = b * k_strides[0] + hk * k_strides[1];
 const int64_t voff = b * v_strides[0] + hk * v_strides[1];

@@ -4,7 +4,7 @@
 //
 // inputs:  q [B, Hq, L, D], k [B, Hk, Nk, D], v [B, Hk, Nk, DV] (T, any strides: cache views),
 //          qp [B, Hq, L, DP], kp [B, Hk, Nk, DP] (extra score term, MLA's rope part; unused if DP = 0),
-//          scale [1] float32
+//          scale [1] float32, live [1] int32 (queries i >= live pad a fixed-row pass: zero rows, no key read)
 // outputs: o [B, Hq, L, DV] (T)
 // template: T, D, DV, DP (multiples of 32; DP may be 0), CAUSAL (query i sees keys 0..Nk-L+i),
 //           SG (SIMD groups per threadgroup), KB (keys per SIMD group and iteration)
@@ -39,6 +39,14 @@ const float sc = scale[0];
 threadgroup float part_m[SG];
 threadgroup float part_l[SG];
 threadgroup float part_o[SG * DV];
+
+if (i >= live[0]) {  // a pad row of a fixed-row pass: zeros, no key read (every thread of the group returns)
+  const int64_t zoff = ((int64_t(b) * Hq + h) * L + i) * DV;
+  for (int d = int(thread_index_in_threadgroup); d < DV; d += 32 * SG) {
+    out[zoff + d] = static_cast<T>(0.0f);
+  }
+  return;
+}
 
 const int64_t qoff = b * q_strides[0] + h * q_strides[1] + i * q_strides[2];
 const int64_t koff = b * k_strides[0] + hk * k_strides[1];

@@ -66,6 +66,7 @@ def alone(args, i: int):
 def kernels():
     ks = {d: emu_kernel(A, dialect=d) for d in DIALECTS}
     calls = [compile_call(A.launch_spec(*A.make_case(**c))) for c in CASES.values()]
+    calls.append(compile_call(A.launch_spec(*A.make_case(**CASES["gqa"]), live=LIVE)))
     precompile([(ks[d], calls) for d in DIALECTS])
     return ks
 
@@ -95,6 +96,26 @@ def test_keys_per_iteration_do_not_change_any_bit_and_match_stock_attention(kern
     q, kk, vv, scale = args[:4]
     stock = mx.fast.scaled_dot_product_attention(q, mx.array(kk), mx.array(vv), scale=scale, mask="causal")
     np.testing.assert_allclose(outs[0], np.array(stock), rtol=1e-5, atol=1e-5)
+
+
+LIVE = 2  # real queries of the "gqa" case's 6 in the fixed-row test
+
+
+@pytest.mark.parametrize("dialect", DIALECTS)
+def test_pad_queries_of_a_fixed_row_pass_are_zero_and_change_no_real_row(kernels, dialect):
+    """live = 2 of 6 queries: rows 0-1 are those of the full launch bit for bit; rows 2-5 are zeros, and the
+    keys only pad queries see (the last 4) are never read (NaN there would show in the real rows)."""
+    q, kk, vv, scale, causal, qp, kp = args = views(A.make_case(**CASES["gqa"], seed=4))
+    full = launch(kernels[dialect], args)
+    kn, vn = kk.copy(), vv.copy()
+    kn[:, :, -(6 - LIVE) :] = np.nan
+    vn[:, :, -(6 - LIVE) :] = np.nan
+    out = launch(kernels[dialect], (q, kn, vn, scale, causal, qp, kp), live=LIVE)
+    np.testing.assert_array_equal(out[:, :, :LIVE], full[:, :, :LIVE])
+    assert (out[:, :, LIVE:] == 0).all()
+    ref = A.attention_reference(q, mx.array(kn), mx.array(vn), scale, causal, live=LIVE)
+    np.testing.assert_array_equal(np.array(ref[:, :, :LIVE]), np.array(A.attention_reference(q, mx.array(kk), mx.array(vv), scale, causal)[:, :, :LIVE]))
+    assert (np.array(ref[:, :, LIVE:]) == 0).all()
 
 
 def test_metal_and_cuda_twins_compute_the_same_bits(kernels):

@@ -6,6 +6,9 @@ attention), optional qp [B, Hq, L, DP] / kp [B, Hk, Nk, DP] whose dot product is
 (MLA's rope part), scale a float. causal: query i (of L) sees keys 0 .. Nk - L + i (the queries are the
 last L positions); else every query sees all Nk keys. Output o [B, Hq, L, DV] in q's dtype:
     o[i] = sum_j softmax_j(scale * (q_i . k_j + qp_i . kp_j)) v_j   over the keys query i sees.
+live (optional, <= L): only the first `live` queries are real, the rest pad a fixed-row pass
+(target/fixed_rows.py): their rows are zeros and no key is read for them; a real query sees the same
+keys as without `live` (causal: its position counts all L rows), so live changes no bit of its row.
 
 Why: stock attention splits the keys of a query over threads in a way that depends on the number of
 queries and keys in the launch, so verify rows differ in the last bits from single-token decode.
@@ -28,7 +31,7 @@ import mlx.core as mx
 from . import Launch, Op, build_kernel, cached_constant, differs_from_reference
 
 NAME = "batch_attention"
-INPUT_NAMES = ("q", "k", "v", "qp", "kp", "scale")
+INPUT_NAMES = ("q", "k", "v", "qp", "kp", "scale", "live")
 OUTPUT_NAMES = ("out",)
 CONTIGUOUS = False  # k and v are KV-cache views: read through their strides, never copied
 KEYS_PER_ITER = 8  # keys a SIMD group scores at once (independent butterflies in flight; changes no bit)
@@ -70,13 +73,15 @@ def _expand_heads(t: mx.array, hq: int) -> mx.array:
     return t if t.shape[1] == hq else mx.repeat(t, hq // t.shape[1], axis=1)
 
 
-def attention_reference(q, k, v, scale: float, causal: bool = True, qp=None, kp=None, mask=None) -> mx.array:
+def attention_reference(q, k, v, scale: float, causal: bool = True, qp=None, kp=None, mask=None, live=None) -> mx.array:
     """The batch-invariant attention of the module docstring in elementwise MLX ops.
 
     mask (optional, instead of `causal`): bool [.., L, Nk] (True = attend), additive float, or the
-    strings mlx-lm passes ("causal"; None = every key)."""
+    strings mlx-lm passes ("causal"; None = every key). live: see the module docstring."""
     if isinstance(mask, str):
         causal, mask = mask == "causal", None
+    if live is not None and live < q.shape[2]:
+        return _live_rows(attention_reference, q, k, v, scale, causal, qp, kp, mask, live)
     B, Hq, L, D = q.shape
     N = k.shape[2]
     dtype = q.dtype
@@ -104,6 +109,16 @@ def attention_reference(q, k, v, scale: float, causal: bool = True, qp=None, kp=
     return (out / denom).astype(dtype)
 
 
+def _live_rows(fn, q, k, v, scale, causal, qp, kp, mask, live: int) -> mx.array:
+    """fn over the first `live` queries (causal: the keys they see; pad keys dropped), zero rows after."""
+    L = q.shape[2]
+    n = k.shape[2] - (L - live) if causal and mask is None else k.shape[2]
+    cut = lambda t, r: None if t is None else t[:, :, :r]  # noqa: E731
+    m = mask[..., :live, :n] if isinstance(mask, mx.array) else mask
+    out = fn(q[:, :, :live], k[:, :, :n], v[:, :, :n], scale, causal, cut(qp, live), cut(kp, n), m)
+    return mx.pad(out, [(0, 0), (0, 0), (0, L - live), (0, 0)])
+
+
 def supported(q: mx.array, k: mx.array, v: mx.array, qp=None) -> bool:
     """Shapes the kernels take: head dims multiples of 32, Hq a multiple of Hk, at most 16 queries."""
     dims = [q.shape[-1], v.shape[-1]] + ([qp.shape[-1]] if qp is not None else [])
@@ -116,10 +131,15 @@ def supported(q: mx.array, k: mx.array, v: mx.array, qp=None) -> bool:
     )
 
 
-def launch_spec(q, k, v, scale: float, causal: bool = True, qp=None, kp=None, warps=None, keys=KEYS_PER_ITER) -> Launch:
+def launch_spec(
+    q, k, v, scale: float, causal: bool = True, qp=None, kp=None, warps=None, keys=KEYS_PER_ITER, live=None,
+) -> Launch:
     if not supported(q, k, v, qp):
         raise ValueError(f"unsupported attention shapes q {q.shape}, k {k.shape}, v {v.shape}")
     B, Hq, L, D = q.shape
+    live = L if live is None else live
+    if not 1 <= live <= L:
+        raise ValueError(f"live = {live} real queries of {L}")
     if causal and L > k.shape[2]:
         raise ValueError(f"{L} causal queries over {k.shape[2]} keys")
     DV = v.shape[-1]
@@ -128,7 +148,10 @@ def launch_spec(q, k, v, scale: float, causal: bool = True, qp=None, kp=None, wa
     if qp is None:
         qp = kp = cached_constant(("attention zeros", q.dtype), lambda: mx.zeros((1, 1, 1, 1), q.dtype))
     return Launch(
-        inputs=[q, k, v, qp, kp, cached_constant(("attention scale", float(scale)), lambda: mx.array([scale], mx.float32))],
+        inputs=[
+            q, k, v, qp, kp, cached_constant(("attention scale", float(scale)), lambda: mx.array([scale], mx.float32)),
+            cached_constant(("attention live", live), lambda: mx.array([live], mx.int32)),  # an input: one compile
+        ],
         template=[
             ("T", q.dtype), ("D", D), ("DV", DV), ("DP", dp), ("CAUSAL", bool(causal)),
             ("SG", warps), ("KB", keys),
@@ -144,18 +167,18 @@ def _kernel(backend: str):
     return build_kernel(NAME, INPUT_NAMES, OUTPUT_NAMES, backend, contiguous=CONTIGUOUS)
 
 
-def _attention_kernel(backend: str, q, k, v, scale: float, causal: bool = True, qp=None, kp=None, mask=None):
+def _attention_kernel(backend: str, q, k, v, scale: float, causal: bool = True, qp=None, kp=None, mask=None, live=None):
     if mask is not None:
         raise ValueError("the attention kernels take causal or no masks; array masks go to the reference")
-    return _kernel(backend)(**launch_spec(q, k, v, scale, causal, qp, kp).kwargs())[0]
+    return _kernel(backend)(**launch_spec(q, k, v, scale, causal, qp, kp, live=live).kwargs())[0]
 
 
-def attention_metal(q, k, v, scale: float, causal: bool = True, qp=None, kp=None, mask=None) -> mx.array:
-    return _attention_kernel("metal", q, k, v, scale, causal, qp, kp, mask)
+def attention_metal(q, k, v, scale: float, causal: bool = True, qp=None, kp=None, mask=None, live=None) -> mx.array:
+    return _attention_kernel("metal", q, k, v, scale, causal, qp, kp, mask, live)
 
 
-def attention_cuda(q, k, v, scale: float, causal: bool = True, qp=None, kp=None, mask=None) -> mx.array:
-    return _attention_kernel("cuda", q, k, v, scale, causal, qp, kp, mask)
+def attention_cuda(q, k, v, scale: float, causal: bool = True, qp=None, kp=None, mask=None, live=None) -> mx.array:
+    return _attention_kernel("cuda", q, k, v, scale, causal, qp, kp, mask, live)
 
 
 def make_case(B, Hq, Hk, L, N, D, DV=None, DP=0, seed=0, dtype=mx.float32):
