@@ -44,10 +44,16 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repetition-penalty", type=finite(), default=1.0, help="penalty for recent tokens (1 = off)")
     p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     p.add_argument("--max-tokens", type=int, default=256, help="tokens to generate (default 256)")
-    p.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=None,
-                   help="decode plain and verify steps through the batch-invariant kernels, so speculative "
-                        "output equals plain output bit for bit on any device (default: off; on a GPU it is "
-                        "slower than stock decoding for now, see docs/kernels.md)")
+    p.add_argument("--batch-invariant", nargs="?", const="kernels", default=None, choices=("kernels", "fixed", "off"),
+                   metavar="MODE",
+                   help="decode plain and verify steps batch invariant, so speculative output equals plain output "
+                        "bit for bit on any device: 'kernels' (the flag alone) routes matmuls and attention through "
+                        "the batch-invariant kernels; 'fixed' runs every decode and verify pass at 16 token rows "
+                        "(MLX's own matmuls where a load-time check finds their rows independent, drafts capped at "
+                        "15); 'off'. Default: off (on a GPU both are still unmeasured or slower than stock "
+                        "decoding, see docs/kernels.md)")
+    p.add_argument("--no-batch-invariant", dest="batch_invariant", action="store_const", const="off",
+                   help="same as --batch-invariant off")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--prompt-tokens", help="prompt as comma-separated token ids, e.g. 1,2,3")

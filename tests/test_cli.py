@@ -62,8 +62,11 @@ def test_batch_invariant_flag_decodes_the_same_tokens(dirs, capsys, monkeypatch)
     stock = run_json(capsys, *common)
     spec = run_json(capsys, *common, "--drafter", "ngram", "--num-draft", "3", "--batch-invariant")
     plain = run_json(capsys, *common, "--batch-invariant")
-    assert [e.batch_invariant for e in engines] == [False, True, True]
-    assert spec["tokens"] == plain["tokens"] == stock["tokens"]
+    fixed = run_json(capsys, *common, "--drafter", "ngram", "--num-draft", "3", "--batch-invariant", "fixed")
+    off = run_json(capsys, *common, "--no-batch-invariant")
+    assert [e.batch_invariant for e in engines] == [False, True, True, True, False]
+    assert [e.max_rows for e in engines] == [None, None, None, 16, None]  # fixed: 16-row passes
+    assert spec["tokens"] == plain["tokens"] == stock["tokens"] == fixed["tokens"] == off["tokens"]
 
 
 def test_text_prompt_with_chat_template(dirs, capsys):

@@ -23,7 +23,8 @@ import mlx.nn as nn
 
 from ..target import cache as cache_ops
 from .. import host, kernels
-from ..target.batch_invariant import is_batch_invariant, make_batch_invariant
+from ..target.batch_invariant import is_batch_invariant
+from ..target.fixed_rows import make_invariant
 from ..kernels.acceptance import uniforms_from_key
 from ..drafters.base import Draft, Drafter, HiddenRequest, Verdict, hidden_request
 from . import members
@@ -85,16 +86,15 @@ INVARIANT_BY_DEFAULT_ON_GPU = False
 class Engine:
     def __init__(
         self, model: nn.Module, drafter: Drafter | None = None, max_draft: int | None = None,
-        batch_invariant: bool | None = None,
+        batch_invariant: bool | str | None = None,
     ):
         """max_draft: the longest draft the adaptive policy tries (None: the drafter's own, else 8).
-        batch_invariant: decode (plain and verify) through batch-invariant kernels, so speculative output
-        equals plain output bit for bit on any device (mlx_engine/batch_invariant.py). None: on a GPU
-        when INVARIANT_BY_DEFAULT_ON_GPU (not yet: see there), else off."""
+        batch_invariant: decode (plain and verify) batch invariant, so speculative output equals plain output
+        bit for bit on any device: True / "kernels" (target/batch_invariant.py), "fixed" (fixed-row passes,
+        target/fixed_rows.py). None: on a GPU when INVARIANT_BY_DEFAULT_ON_GPU (not yet: see there), else off."""
         if batch_invariant is None:
             batch_invariant = INVARIANT_BY_DEFAULT_ON_GPU and gpu_decoding()
-        if batch_invariant:
-            make_batch_invariant(model)
+        self.max_rows = make_invariant(model, batch_invariant)  # fixed-row passes: k + 1 <= max_rows
         self.batch_invariant = is_batch_invariant(model)
         self.target = Target(model)
         self.drafter = drafter
@@ -297,7 +297,7 @@ class Engine:
 
     def _draft_length(self, wanted: int, remaining: int) -> int:
         """The policy's k, cut so the cycle cannot pass max_tokens nor the drafter's own limit."""
-        k = min(wanted, remaining - 1)
+        k = min(wanted, remaining - 1, self.max_rows - 1 if self.max_rows else wanted)
         limit = self.drafter.max_draft() if self.drafter is not None else None
         return min(k, limit) if limit is not None else k
 

@@ -51,6 +51,21 @@ from ..kernels.batch_attention import tree_sum  # noqa: F401  (API)
 MAX_ROWS = 16  # rows per pass covered by the contract (verify passes are k+1 <= 16)
 
 _active: contextvars.ContextVar[bool] = contextvars.ContextVar("mlx_engine_batch_invariant", default=False)
+# the real rows of a fixed-row pass (target/fixed_rows.py: the rest pad it to a fixed row count), else None
+live_rows: contextvars.ContextVar[int | None] = contextvars.ContextVar("mlx_engine_live_rows", default=None)
+
+
+def _live(x: mx.array) -> int | None:
+    """Real rows of x [B, L, ...] when the rows after them pad a fixed-row pass, else None."""
+    live = live_rows.get()
+    return live if live is not None and x.ndim >= 3 and live < x.shape[1] else None
+
+
+def _padded(out, rows: int):
+    """out (an array or a tuple of them) [B, live, ...] with zero rows appended along axis 1 up to `rows`."""
+    if isinstance(out, tuple):
+        return tuple(_padded(o, rows) for o in out)
+    return mx.pad(out, [(0, 0), (0, rows - out.shape[1])] + [(0, 0)] * (out.ndim - 2))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -95,10 +110,13 @@ def _per_token(call, x: mx.array, *args, **kwargs):
         kwargs["mask"] = None
     elif args:
         args = (None,) + args[1:]
-    outs = [call(x[:, i : i + 1], *args, **kwargs) for i in range(x.shape[1])]
+    live = _live(x)
+    outs = [call(x[:, i : i + 1], *args, **kwargs) for i in range(live or x.shape[1])]
     if isinstance(outs[0], tuple):
-        return tuple(mx.concatenate(parts, axis=1) for parts in zip(*outs))
-    return mx.concatenate(outs, axis=1)
+        out = tuple(mx.concatenate(parts, axis=1) for parts in zip(*outs))
+    else:
+        out = mx.concatenate(outs, axis=1)
+    return _padded(out, x.shape[1]) if live else out
 
 
 def _sliced_args(args: tuple, i: int) -> tuple:
@@ -175,6 +193,9 @@ class _SwitchGLU(SwitchGLU):
         tokens = indices.size // indices.shape[-1]
         if not _active.get() or tokens > self._bi_rows:
             return super().__call__(x, indices)
+        live = _live(x)
+        if live:  # pad rows of a fixed-row pass: route none of them (no expert read for them)
+            return _padded(self(x[:, :live], indices[:, :live]), x.shape[1])
         projs = (self.gate_proj, self.up_proj, self.down_proj)
         if not all(isinstance(p, _QSwitchLinear) for p in projs):
             if x.ndim < 3 or x.shape[1] == 1:
@@ -206,10 +227,13 @@ def _gate_per_token_class(cls: type) -> type:
     def __call__(self, x, *args, **kwargs):
         if not _active.get() or x.ndim < 3 or x.shape[1] == 1 or _tokens(x) > self._bi_rows:
             return cls.__call__(self, x, *args, **kwargs)
-        outs = [cls.__call__(self, x[:, i : i + 1], *_sliced_args(args, i), **kwargs) for i in range(x.shape[1])]
+        live = _live(x)
+        outs = [cls.__call__(self, x[:, i : i + 1], *_sliced_args(args, i), **kwargs) for i in range(live or x.shape[1])]
         if isinstance(outs[0], tuple):
-            return tuple(mx.concatenate(parts, axis=1) for parts in zip(*outs))
-        return mx.concatenate(outs, axis=1)
+            out = tuple(mx.concatenate(parts, axis=1) for parts in zip(*outs))
+        else:
+            out = mx.concatenate(outs, axis=1)
+        return _padded(out, x.shape[1]) if live else out
 
     return type(cls.__name__, (cls,), {"__call__": __call__, "_mlx_engine_batch_invariant": True})
 
@@ -264,11 +288,13 @@ def _wrap_attention_module(modname: str) -> None:
     def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None, **kw):
         plain = hasattr(cache, "bits") or kw or sinks is not None or queries.shape[2] > MAX_ROWS
         if _active.get() and not plain:
+            live = live_rows.get() if live_rows.get() is not None and live_rows.get() < queries.shape[2] else None
             if (mask is None or mask == "causal") and attention_supported(queries, keys, values):
                 # one query with no mask is the causal case too: one compiled kernel for decode and verify
                 causal = mask == "causal" or queries.shape[2] == 1
-                return kernels.get("batch_attention")(queries, keys, values, scale, causal)
-            return invariant_attention(queries, keys, values, scale, mask == "causal", mask=None if isinstance(mask, str) else mask)
+                return kernels.get("batch_attention")(queries, keys, values, scale, causal, live=live)
+            return invariant_attention(queries, keys, values, scale, mask == "causal",
+                                       mask=None if isinstance(mask, str) else mask, live=live)
         if sinks is not None:
             kw["sinks"] = sinks
         return original(queries, keys, values, cache=cache, scale=scale, mask=mask, **kw)
@@ -293,18 +319,22 @@ def _install_switch(model: nn.Module) -> None:
     model.__class__ = type(cls.__name__, (cls,), {"__call__": __call__, "_mlx_engine_bi_switch": True})
 
 
-def make_batch_invariant(model: nn.Module, max_rows: int = MAX_ROWS, linear: bool = True) -> nn.Module:
+def make_batch_invariant(model: nn.Module, max_rows: int = MAX_ROWS, linear: bool = True, quantized: bool = True) -> nn.Module:
     """Patch `model` in place (see the module docstring) and return it.
 
     max_rows: passes of up to this many rows per matmul are covered by the contract.
-    linear: also patch unquantized nn.Linear / tied nn.Embedding (row-by-row 1-row matmuls)."""
+    linear: also patch unquantized nn.Linear / tied nn.Embedding (row-by-row 1-row matmuls).
+    quantized: patch nn.QuantizedLinear / QuantizedEmbedding (batch_qmm); False leaves them stock, for
+    target/fixed_rows.py, whose passes all have one row count."""
     modules = set()
     for _, m in model.named_modules():
         modules.add(type(m).__module__)
         if isinstance(m, nn.QuantizedLinear) and _invariant_quantized(m):
-            _swap(m, nn.QuantizedLinear, _QLinear, max_rows)
+            if quantized:
+                _swap(m, nn.QuantizedLinear, _QLinear, max_rows)
         elif isinstance(m, nn.QuantizedEmbedding) and _invariant_quantized(m):
-            _swap(m, nn.QuantizedEmbedding, _QEmbedding, max_rows)
+            if quantized:
+                _swap(m, nn.QuantizedEmbedding, _QEmbedding, max_rows)
         elif isinstance(m, QuantizedSwitchLinear) and m.biases is not None and _invariant_quantized(m):
             _swap(m, QuantizedSwitchLinear, _QSwitchLinear, max_rows)
         elif isinstance(m, SwitchGLU):

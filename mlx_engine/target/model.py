@@ -105,7 +105,8 @@ class Target:
         if request is True:
             request = FINAL_HIDDEN
         logits, hidden = self._run_capturing(lambda: self.model(tokens[None], cache=cache), request)
-        return logits[0], None if hidden is None else hidden[0]
+        # hidden rows past the logits' are the pad rows of a fixed-row pass (target/fixed_rows.py)
+        return logits[0], None if hidden is None else hidden[0, : logits.shape[1]]
 
     def forward_batch(self, tokens: mx.array, cache: list, request: HiddenRequest | None = None):
         """Logits of `tokens` [B, T] -> [B, T, V] and the hidden states `request` asks for, [B, T, H'] or None

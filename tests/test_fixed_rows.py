@@ -1,0 +1,146 @@
+"""Fixed-row passes (target/fixed_rows.py): every decode and verify pass runs `rows` token rows, the tail
+padding it. The pad changes no bit of a real row (against the unpadded batch-invariant model), a verify
+pass equals single-token passes bit for bit, the KV cache keeps only the real rows, speculative greedy
+output equals the engine's plain output, and the load-time probe sends a row-dependent matmul to the
+kernels."""
+
+import functools
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.utils import quantize_model
+
+import tiny_models
+from mlx_engine import DraftModelDrafter, Engine, GenerationConfig, NgramDrafter
+from mlx_engine.target import cache as cache_ops
+from mlx_engine.target.batch_invariant import _QLinear, make_batch_invariant
+from mlx_engine.target.fixed_rows import fixed_rows, make_fixed_rows, make_invariant, probe
+from test_batch_invariance import DIMS, VERIFY
+from test_greedy_equality import PROMPT
+
+ROWS = 8
+TOKENS = VERIFY + VERIFY[::-1]  # 18 tokens fed after the prompt
+# (family, bits): dense with an untied / tied quantized head, unquantized, and deepseek_v3 quantized
+# (MLA attention and MoE gates run per token, its experts through gather_qmm: real rows only)
+CASES = [("llama", 4), ("qwen3", 8), ("llama", 0), ("deepseek_v3", 4)]
+
+
+def build(family: str, bits: int):
+    overrides = dict(DIMS)
+    if family == "qwen3":
+        overrides["head_dim"] = 16
+    if family == "deepseek_v3":
+        overrides["moe_intermediate_size"] = 64
+    model, cfg = tiny_models.build(family, seed=1, **overrides)
+    if bits:
+        quantize_model(model, cfg, 64 if bits == 4 else 32, bits)
+    return model
+
+
+@functools.cache
+def fixed(family: str, bits: int, linears: str = "kernels"):
+    model = build(family, bits)
+    mode = make_fixed_rows(model, rows=ROWS, linears=linears)
+    return model, mode
+
+
+def passes(model, sizes):
+    """Logits of passes of the given sizes over TOKENS, after the prompt, and the cache they leave."""
+    cache = cache_ops.make_cache(model)
+    mx.eval(model(mx.array(PROMPT)[None], cache=cache))
+    out, at = [], 0
+    for n in sizes:
+        out.append(model(mx.array(TOKENS[at : at + n])[None], cache=cache)[0])
+        at += n
+    return mx.concatenate(out), cache
+
+
+@pytest.mark.parametrize("family,bits", CASES)
+def test_the_pad_changes_no_bit_of_a_real_row_nor_of_the_cache(family, bits):
+    """Fixed-row model (kernel linears) against the unpadded batch-invariant model, same weights and passes."""
+    model, mode = fixed(family, bits)
+    assert mode == "kernels" and fixed_rows(model) == ROWS
+    plain = make_batch_invariant(build(family, bits), max_rows=ROWS)
+    sizes = [1, 3, ROWS, 2, 1]
+    a, ca = passes(model, sizes)
+    b, cb = passes(plain, sizes)
+    assert np.array_equal(np.array(a), np.array(b))
+    for x, y in zip(ca, cb):
+        assert x.offset == y.offset == len(PROMPT) + sum(sizes)
+        for u, v in ((x.keys, y.keys), (x.values, y.values)):  # the rows held (past the offset: stale pad rows)
+            assert np.array_equal(np.array(u[..., : x.offset, :]), np.array(v[..., : y.offset, :]))
+
+
+@pytest.mark.parametrize("family,bits", CASES)
+def test_verify_pass_equals_single_steps_bit_for_bit(family, bits):
+    model, _ = fixed(family, bits)
+    for n in (2, 5, ROWS):
+        full, _ = passes(model, [n])
+        singles, _ = passes(model, [1] * n)
+        assert np.array_equal(np.array(full), np.array(singles)), f"{n} rows"
+
+
+@pytest.mark.parametrize("family,bits", [("llama", 4), ("llama", 0), ("deepseek_v3", 4)])
+def test_stock_linears_where_the_probe_finds_rows_independent(family, bits):
+    """With MLX's own matmuls at the fixed row count: the contract holds wherever the load-time probe
+    says so (on this CPU it does; a device whose fixed-shape matmul mixes rows gets the kernels)."""
+    model, mode = fixed(family, bits, "auto")
+    if mode != "stock":
+        pytest.skip("this device's fixed-shape matmul is not row independent: the kernels are used")
+    assert not any(isinstance(m, _QLinear) for _, m in model.named_modules())
+    for n in (2, ROWS):
+        full, _ = passes(model, [n])
+        singles, _ = passes(model, [1] * n)
+        assert np.array_equal(np.array(full), np.array(singles)), f"{n} rows"
+
+
+def test_a_row_dependent_matmul_fails_the_probe_and_gets_the_kernels(monkeypatch):
+    model = build("llama", 4)
+    stock_qmm = mx.quantized_matmul
+
+    def mixing(x, *args, **kwargs):  # each row picks up a trace of the first: rows are not independent
+        y = stock_qmm(x, *args, **kwargs)
+        return y + 1e-3 * y[..., :1, :]
+
+    monkeypatch.setattr(mx, "quantized_matmul", mixing)
+    assert make_fixed_rows(model, rows=ROWS, linears="auto") == "kernels"
+    monkeypatch.undo()
+    assert any(isinstance(m, _QLinear) for _, m in model.named_modules())
+    assert probe(model, ROWS)
+
+
+def test_models_with_recurrent_layers_get_the_kernels_without_padding():
+    model = tiny_models.build("qwen3_next", seed=1)[0]
+    assert make_fixed_rows(model, rows=ROWS) == "kernels"
+    assert fixed_rows(model) is None
+
+
+def test_bad_arguments_are_refused():
+    with pytest.raises(ValueError, match="rows"):
+        make_fixed_rows(build("llama", 0), rows=17)
+    with pytest.raises(ValueError, match="linears"):
+        make_fixed_rows(build("llama", 0), linears="fast")
+    with pytest.raises(ValueError, match="mode"):
+        make_invariant(build("llama", 0), "sometimes")
+    with pytest.raises(ValueError, match="already patched"):
+        make_fixed_rows(make_batch_invariant(build("llama", 0)))
+
+
+@pytest.mark.parametrize("family,bits", [("llama", 4), ("deepseek_v3", 4)])
+def test_speculative_greedy_equals_plain_with_drafts_capped_at_rows_minus_one(family, bits):
+    model, _ = fixed(family, bits)
+
+    def run(drafter, k):
+        engine = Engine(model, drafter)
+        cfg = GenerationConfig(max_tokens=48, num_draft=k)
+        return [t for s in engine.generate(PROMPT, cfg) for t in s.tokens], engine
+
+    plain, engine = run(None, 0)
+    assert engine.max_rows == ROWS
+    noisy = build(family, 0)  # the unquantized parent: agrees with the target often, not always
+    for drafter, k in ((NgramDrafter(), 12), (DraftModelDrafter(noisy, tiny_models.VOCAB), 3)):
+        tokens, engine = run(drafter, k)
+        assert tokens == plain, f"{drafter.name} k={k}"
+        assert engine.stats.drafted > 0
+        assert len(engine.stats.drafted_at) == (ROWS - 1 if k > ROWS - 1 else k)  # the longest draft
