@@ -8,9 +8,10 @@ kernel. Without `--model` it builds a random llama shaped like SmolLM2-135M (hid
 9 heads / 3 KV heads, vocab 49152, fp32).
 
 `--shape llama-8b` (or qwen3-30b-a3b, smollm2-135m; mlx_engine/bench/shapes.py) builds that random
-model on the device (4-bit) and prints stock and batch-invariant ("fused": make_batch_invariant, the
-kernels of mlx_engine/kernels) t(k+1) side by side, both against stock t(1), the fused t(1) against
-stock t(1), and whether each path's 8-token verify pass equals 8 single steps bit for bit.
+model on the device (4-bit) and prints stock and batch-invariant t(k+1) side by side, all against stock
+t(1): "fused" (make_batch_invariant, the kernels of mlx_engine/kernels) and "fixed" (make_fixed_rows:
+every pass 16 token rows); then each t(1) against stock t(1), and whether each path's 8-token verify
+pass equals 8 single steps bit for bit.
 """
 
 from __future__ import annotations
@@ -96,30 +97,40 @@ def verify_equals_singles(model, n: int = 8, prefill: int = 64) -> bool:
 
 
 def shape_table(name: str, layers: int | None, prefill: int, max_len: int, trials: int) -> int:
-    """Stock against batch-invariant verify cost on a random model of a named shape."""
+    """Stock against batch-invariant verify cost on a random model of a named shape: the kernels path
+    (make_batch_invariant, "fused") and fixed-row passes (make_fixed_rows, 16 rows, on a second copy)."""
     from .. import kernels
     from ..target.batch_invariant import make_batch_invariant
+    from ..target.fixed_rows import make_fixed_rows
     from .shapes import build, describe
 
     model = build(name, layers=layers)
     print(f"model:   {describe(name, layers)}")
     print(f"device:  {mx.default_device()}")
     stock = time_verify_forward(model, prefill, max_len, trials)
-    stock_exact = verify_equals_singles(model)
+    exact = {"stock": verify_equals_singles(model)}
     make_batch_invariant(model)
-    print(f"kernels: " + ", ".join(f"{op}={b}" for op, b in kernels.describe().items()))
+    print("kernels: " + ", ".join(f"{op}={b}" for op, b in kernels.describe().items()))
     if all(b == "reference" for b in kernels.describe().values()):
         print("note:    no GPU backend: the fused path runs the CPU references of the kernels")
     fused = time_verify_forward(model, prefill, max_len, trials)
-    fused_exact = verify_equals_singles(model)
+    exact["fused"] = verify_equals_singles(model)
+    del model
+    mx.clear_cache()
+    model = build(name, layers=layers)
+    linears = make_fixed_rows(model, rows=16)
+    print(f"fixed:   16-row passes, linears: {linears} (the load-time check chose it)")
+    fixed = time_verify_forward(model, prefill, max_len, trials)
+    exact["fixed"] = verify_equals_singles(model)
     t1 = stock[1]
     print(f"\nverify forward over a {prefill}-token KV cache, median of {trials} (ratios against stock t(1) = {t1:.2f} ms)")
-    print(f"{'k+1':>4} {'stock ms':>9} {'stock':>6} {'fused ms':>9} {'fused':>6}")
+    print(f"{'k+1':>4} {'stock ms':>9} {'stock':>6} {'fused ms':>9} {'fused':>6} {'fixed ms':>9} {'fixed':>6}")
     for L in stock:
-        print(f"{L:>4} {stock[L]:>9.2f} {stock[L] / t1:>6.2f} {fused[L]:>9.2f} {fused[L] / t1:>6.2f}")
-    print(f"\nfused t(1) / stock t(1) = {fused[1] / t1:.2f}")
-    print(f"8-token verify == 8 single steps, bit for bit: stock {'yes' if stock_exact else 'no'}, "
-          f"fused {'yes' if fused_exact else 'no'}")
+        print(f"{L:>4} {stock[L]:>9.2f} {stock[L] / t1:>6.2f} {fused[L]:>9.2f} {fused[L] / t1:>6.2f}"
+              f" {fixed[L]:>9.2f} {fixed[L] / t1:>6.2f}")
+    print(f"\nfused t(1) / stock t(1) = {fused[1] / t1:.2f}; fixed t(1) / stock t(1) = {fixed[1] / t1:.2f}")
+    print("8-token verify == 8 single steps, bit for bit: "
+          + ", ".join(f"{k} {'yes' if v else 'no'}" for k, v in exact.items()))
     return 0
 
 

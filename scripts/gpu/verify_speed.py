@@ -119,8 +119,9 @@ def attention_sweep2():
 
 @KG.section("e2e2")
 def e2e2():
-    """128 greedy tokens on a repetitive prompt: mlx-lm plain, then the engine stock and batch-invariant,
-    plain and n-gram k = 2, 4 (output of each against its own path's plain output)."""
+    """128 greedy tokens on a repetitive prompt: mlx-lm plain, then the engine stock, batch-invariant
+    (kernels) and fixed-row passes, plain and n-gram k = 2, 4 (output of each against its own path's plain
+    output)."""
     from mlx_lm.generate import generate_step
 
     from mlx_engine import Engine, GenerationConfig, NgramDrafter
@@ -144,8 +145,14 @@ def e2e2():
     toks_stock, tps = mlx_lm_plain()
     out["mlx_lm_plain_tok_s"] = tps
     print(f"mlx-lm plain (stock): {tps:.1f} tok/s", flush=True)
-    for path in ("stock", "invariant"):
-        engines = {k: Engine(model, None if k == 0 else NgramDrafter(), batch_invariant=path == "invariant") for k in (0, 2, 4)}
+    for path in ("stock", "invariant", "fixed"):
+        if path == "fixed":  # fixed-row passes on a fresh copy (the kernels path patched `model` in place)
+            model = build("llama-8b")
+        mode = {"stock": False, "invariant": "kernels", "fixed": "fixed"}[path]
+        engines = {k: Engine(model, None if k == 0 else NgramDrafter(), batch_invariant=mode) for k in (0, 2, 4)}
+        if path == "fixed":
+            out["fixed_linears"] = getattr(model, "_fixed_rows_linears", None)
+            print("fixed-row passes, linears:", out["fixed_linears"], flush=True)
         ref = None
         for rep in range(3):
             for k, eng in engines.items():
@@ -193,7 +200,7 @@ def use_best_plans():
                 score[k] = score.get(k, 0.0) + t / r["best_us"]
         best = min(score, key=score.get)
         SG, KB = (int(v) for v in best.replace("SG", "").split("_KB"))
-        A.launch_spec.__defaults__ = A.launch_spec.__defaults__[:-2] + (SG, KB)
+        A.launch_spec.__defaults__ = A.launch_spec.__defaults__[:-3] + (SG, KB, None)  # (.., warps, keys, live)
         RES["attention_choice"] = dict(SG=SG, KB=KB)
         print("attention launch:", RES["attention_choice"], flush=True)
 
