@@ -49,8 +49,8 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
                    help="decode plain and verify steps batch invariant, so speculative output equals plain output "
                         "bit for bit on any device: 'kernels' (the flag alone) routes matmuls and attention through "
                         "the batch-invariant kernels; 'fixed' runs every decode and verify pass at 16 token rows "
-                        "(MLX's own matmuls where a load-time check finds their rows independent, drafts capped at "
-                        "15); 'off'. Default: off (on a GPU both are still unmeasured or slower than stock "
+                        "(MLX's own ops where a check at load finds their rows independent at that shape, else the "
+                        "kernels; drafts capped at 15); 'off'. Default: off (on a GPU both are still unmeasured or slower than stock "
                         "decoding, see docs/kernels.md)")
     p.add_argument("--no-batch-invariant", dest="batch_invariant", action="store_const", const="off",
                    help="same as --batch-invariant off")

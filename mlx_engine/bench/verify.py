@@ -9,9 +9,9 @@ kernel. Without `--model` it builds a random llama shaped like SmolLM2-135M (hid
 
 `--shape llama-8b` (or qwen3-30b-a3b, smollm2-135m; mlx_engine/bench/shapes.py) builds that random
 model on the device (4-bit) and prints stock and batch-invariant t(k+1) side by side, all against stock
-t(1): "fused" (make_batch_invariant, the kernels of mlx_engine/kernels) and "fixed" (make_fixed_rows:
-every pass 16 token rows); then each t(1) against stock t(1), and whether each path's 8-token verify
-pass equals 8 single steps bit for bit.
+t(1): "fused" (make_batch_invariant, the kernels of mlx_engine/kernels) and "fixed:PLAN" (make_fixed_rows:
+every pass 16 token rows; `--fixed-plans` picks the plans, default auto); then each t(1) against stock
+t(1), and whether each path's 8-token verify pass equals 8 single steps bit for bit.
 """
 
 from __future__ import annotations
@@ -96,9 +96,10 @@ def verify_equals_singles(model, n: int = 8, prefill: int = 64) -> bool:
     return bool(mx.array_equal(full, singles).item())
 
 
-def shape_table(name: str, layers: int | None, prefill: int, max_len: int, trials: int) -> int:
+def shape_table(name: str, layers: int | None, prefill: int, max_len: int, trials: int, plans=("auto",)) -> int:
     """Stock against batch-invariant verify cost on a random model of a named shape: the kernels path
-    (make_batch_invariant, "fused") and fixed-row passes (make_fixed_rows, 16 rows, on a second copy)."""
+    (make_batch_invariant, "fused") and fixed-row passes (make_fixed_rows, 16 rows, one fresh copy of the
+    model per plan in `plans`)."""
     from .. import kernels
     from ..target.batch_invariant import make_batch_invariant
     from ..target.fixed_rows import make_fixed_rows
@@ -107,28 +108,26 @@ def shape_table(name: str, layers: int | None, prefill: int, max_len: int, trial
     model = build(name, layers=layers)
     print(f"model:   {describe(name, layers)}")
     print(f"device:  {mx.default_device()}")
-    stock = time_verify_forward(model, prefill, max_len, trials)
-    exact = {"stock": verify_equals_singles(model)}
+    times, exact = {"stock": time_verify_forward(model, prefill, max_len, trials)}, {"stock": verify_equals_singles(model)}
     make_batch_invariant(model)
     print("kernels: " + ", ".join(f"{op}={b}" for op, b in kernels.describe().items()))
     if all(b == "reference" for b in kernels.describe().values()):
         print("note:    no GPU backend: the fused path runs the CPU references of the kernels")
-    fused = time_verify_forward(model, prefill, max_len, trials)
-    exact["fused"] = verify_equals_singles(model)
-    del model
-    mx.clear_cache()
-    model = build(name, layers=layers)
-    linears = make_fixed_rows(model, rows=16)
-    print(f"fixed:   16-row passes, linears: {linears} (the load-time check chose it)")
-    fixed = time_verify_forward(model, prefill, max_len, trials)
-    exact["fixed"] = verify_equals_singles(model)
-    t1 = stock[1]
+    times["fused"], exact["fused"] = time_verify_forward(model, prefill, max_len, trials), verify_equals_singles(model)
+    for plan in plans:
+        del model
+        mx.clear_cache()
+        model = build(name, layers=layers)
+        chosen = make_fixed_rows(model, rows=16, plan=plan)
+        label = f"fixed:{chosen}"
+        print(f"fixed:   16-row passes, plan {plan!r} -> {chosen!r}")
+        times[label], exact[label] = time_verify_forward(model, prefill, max_len, trials), verify_equals_singles(model)
+    t1 = times["stock"][1]
     print(f"\nverify forward over a {prefill}-token KV cache, median of {trials} (ratios against stock t(1) = {t1:.2f} ms)")
-    print(f"{'k+1':>4} {'stock ms':>9} {'stock':>6} {'fused ms':>9} {'fused':>6} {'fixed ms':>9} {'fixed':>6}")
-    for L in stock:
-        print(f"{L:>4} {stock[L]:>9.2f} {stock[L] / t1:>6.2f} {fused[L]:>9.2f} {fused[L] / t1:>6.2f}"
-              f" {fixed[L]:>9.2f} {fixed[L] / t1:>6.2f}")
-    print(f"\nfused t(1) / stock t(1) = {fused[1] / t1:.2f}; fixed t(1) / stock t(1) = {fixed[1] / t1:.2f}")
+    print(f"{'k+1':>4} " + " ".join(f"{label + ' ms':>22} {'x':>5}" for label in times))
+    for L in times["stock"]:
+        print(f"{L:>4} " + " ".join(f"{t[L]:>22.2f} {t[L] / t1:>5.2f}" for t in times.values()))
+    print("\nt(1) / stock t(1): " + ", ".join(f"{label} {t[1] / t1:.2f}" for label, t in times.items() if label != "stock"))
     print("8-token verify == 8 single steps, bit for bit: "
           + ", ".join(f"{k} {'yes' if v else 'no'}" for k, v in exact.items()))
     return 0
@@ -174,13 +173,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shape", help="a random model shaped like a real one (llama-8b, qwen3-30b-a3b, smollm2-135m): "
                     "stock and batch-invariant t(k+1) side by side")
     ap.add_argument("--shape-layers", type=int, help="with --shape: fewer layers than the real model")
+    ap.add_argument("--fixed-plans", default="auto",
+                    help="with --shape: fixed-row plans to time, comma-separated (auto, stock, stock-linears, kernels)")
     args = ap.parse_args(argv)
     if args.shape:
         from .shapes import SHAPES
 
         if args.shape not in SHAPES:
             ap.error(f"unknown --shape {args.shape!r}; known: {', '.join(SHAPES)}")
-        return shape_table(args.shape, args.shape_layers, args.prefill, args.max_len, args.trials)
+        from ..target.fixed_rows import PLANS
+
+        plans = [p.strip() for p in args.fixed_plans.split(",") if p.strip()]
+        bad = [p for p in plans if p not in ("auto",) + PLANS]
+        if bad or not plans:
+            ap.error(f"--fixed-plans: expected comma-separated plans among auto, {', '.join(PLANS)}, got {args.fixed_plans!r}")
+        return shape_table(args.shape, args.shape_layers, args.prefill, args.max_len, args.trials, plans)
 
     from .. import kernels
 

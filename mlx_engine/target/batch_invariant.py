@@ -355,4 +355,6 @@ def make_batch_invariant(model: nn.Module, max_rows: int = MAX_ROWS, linear: boo
 
 
 def is_batch_invariant(model: nn.Module) -> bool:
-    return bool(getattr(type(model), "_mlx_engine_bi_switch", False))
+    """Patched here, or for fixed-row passes (target/fixed_rows.py, which may patch nothing here)."""
+    cls = type(model)
+    return bool(getattr(cls, "_mlx_engine_bi_switch", False) or getattr(cls, "_mlx_engine_fixed_rows", False))

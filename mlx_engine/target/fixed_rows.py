@@ -1,44 +1,52 @@
 """Fixed-row passes: every decode and verify pass of the target runs exactly `rows` token rows, so MLX's
-own matmuls see one shape and give each row the same bits in every pass (issue 12).
+own ops see one shape in every pass and give each row the same bits (issue 12).
 
     from mlx_engine.target.fixed_rows import make_fixed_rows
-    mode = make_fixed_rows(model, rows=16)   # in place; "stock" or "kernels" (what the linears run)
+    plan = make_fixed_rows(model, rows=16)   # in place; "stock", "stock-linears" or "kernels"
 
-A pass of n <= rows tokens is fed as those n tokens followed by rows - n copies of the last one (pad
-rows). Row-local ops (embedding, norms, RoPE, activations) give a real row the same bits whatever the
-pad holds. Attention is the batch_attention kernel (target/batch_invariant.py's wrapper) told how many
-rows are real: pad rows read no key and are zeros, and a real row sees only the keys before it. MoE
-experts (gather_qmm) and per-token modules (MLA attention, raw MoE gates) run the real rows only. After
-the pass each KV cache is cut back to the real rows, so callers see a pass of n tokens: logits [B, n, V].
+A pass of n < rows tokens is fed as those n tokens followed by rows - n copies of the last one (pad
+rows); after it every KV cache is cut back to the real rows and the model returns their logits
+[B, n, V] (the target cuts its captured hidden states to them too). Causal attention keeps a real row
+from seeing a pad row, and row-local ops (embedding, norms, RoPE, activations) give it the same bits
+whatever the pad holds. What the rest runs is the plan:
 
-Why: with stock MLX the matmul of a verify pass picks its kernel by row count (qmv per row for a few
-rows, qmm from more), so its rows differ in the last bits from single-token decode. At one fixed row
-count the kernel is always the same one, and a GEMM computes each output row from its own input row
-only. Measured on an H100 (bench/results/gpu/h100-padded-qmm.json): `mx.quantized_matmul` with x padded
-to 8, 16 or 32 rows gave every row the bits of its 1-row padded call in 42 of 42 cases (bf16 / fp16,
-7 Llama / Qwen-MoE matrices, rows reversed, random neighbours), and MLX's 8- and 16-row qmm costs what
-its 1-row qmv does (17.5 / 17.6 against 18.9 us on 4096 x 4096). One pad of the token ids per pass
-replaces the pad before every linear that was measured too slow (25.3 ms a 1-token forward).
+  "stock"          every op MLX's own at `rows` rows: nothing patched but the pad and the cut.
+  "stock-linears"  MLX's linears; attention through the batch_attention kernel told how many rows are
+                   real (pad rows read no key, their rows are zeros); MoE experts (gather_qmm), MLA
+                   attention and raw-weight MoE gates (one token at a time) on the real rows only.
+  "kernels"        the linears through batch_qmm / row-split matmuls too (target/batch_invariant.py).
 
-That rows are independent in a fixed-shape matmul is a property of the device's kernels, not a
-contract, so `linears="auto"` checks it on the model itself at load (`probe`): a `rows`-token verify
-pass must give the logits of `rows` single-token passes bit for bit. If it does not, the linears go
-through the batch_qmm kernels (invariant by construction) and the pad is kept for the rest.
+Why: with stock MLX a verify pass picks its kernels by row count (a quantized matmul runs qmv per row
+for a few rows, qmm from more; attention splits keys by launch size), so its rows differ in the last bits
+from single-token decode. At one row count the kernels are always the same ones, and a GEMM computes
+each output row from its own input row only. Measured on an H100 (bench/results/gpu/h100-padded-qmm.json):
+`mx.quantized_matmul` with x padded to 8, 16 or 32 rows gave every row the bits of its 1-row padded call
+in 42 of 42 cases (bf16 / fp16, 7 Llama / Qwen-MoE matrices, rows reversed, random neighbours), and its
+8- and 16-row call costs what its 1-row call does (17.5 / 17.6 against 18.9 us on 4096 x 4096). That
+round padded x before every linear (~19 us a pad) and ran the attention kernel on all 16 rows: 25.3 ms
+a 1-token forward. Here the token ids are padded once per pass and pad rows cost no attention.
+
+That fixed-shape ops keep rows independent is a property of the device's kernels, not a contract, so
+plan "auto" checks it on the model itself at load (`probe`: a `rows`-token verify pass against `rows`
+single-token passes, logits bit for bit) and keeps the first plan that passes ("kernels" holds by
+construction). On this CPU with OpenBLAS (as the engine runs) "stock" fails for every tiny test family
+(for llama the two plans differ only in attention: MLX's CPU attention is not row independent at a
+fixed shape) and "stock-linears" passes for all (llama, qwen3, deepseek_v3 with MLA and MoE; fp32,
+4- and 8-bit).
 
 Only for models whose every layer cache is a plain KVCache (trimmable by offset): recurrent layers
 (GatedDeltaNet, Mamba) and sliding windows would take the pad rows into their state; for those
 `make_fixed_rows` returns "kernels" and installs the batch-invariant kernels without padding. Passes
-of more than `rows` tokens (prefill) run stock, outside the contract; the engine caps its drafts at
+of more than `rows` tokens (prefill) run unpadded, outside the contract; the engine caps its drafts at
 rows - 1.
 """
-
 from __future__ import annotations
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import KVCache
 
-from .. import host
+from .. import host, kernels
 from .batch_invariant import is_batch_invariant, live_rows, make_batch_invariant
 from .cache import make_cache
 
@@ -93,33 +101,53 @@ def probe(model: nn.Module, rows: int, context: int = 12, seed: int = 0) -> bool
     return bool(host.read(mx.array_equal(verify, singles)))
 
 
-def make_fixed_rows(model: nn.Module, rows: int = DEFAULT_ROWS, linears: str = "auto") -> str:
-    """Patch `model` in place for fixed-row passes (module docstring). Returns what its linears run:
-    "stock" (MLX's matmuls at `rows` rows) or "kernels" (batch_qmm, row-split nn.Linear).
+PLANS = ("stock", "stock-linears", "kernels")  # fewest patches first; each adds to the one before
 
-    linears: "auto" (stock if `probe` passes on this device, else kernels), "stock" or "kernels"."""
-    if linears not in ("auto", "stock", "kernels"):
-        raise ValueError(f"linears must be auto, stock or kernels, not {linears!r}")
+
+def _apply(model: nn.Module, plan: str, rows: int) -> None:
+    if plan == "stock-linears":  # attention kernel, MoE / MLA / gates on real rows; linears stay MLX's
+        make_batch_invariant(model, max_rows=rows, linear=False, quantized=False)
+    elif plan == "kernels":
+        make_batch_invariant(model, max_rows=rows)
+
+
+def make_fixed_rows(model: nn.Module, rows: int = DEFAULT_ROWS, plan: str = "auto") -> str:
+    """Patch `model` in place for fixed-row passes (module docstring); returns the plan it runs:
+    "stock" (every op MLX's own at `rows` rows: only the pad and the cache cut), "stock-linears" (MLX's
+    linears; attention through the batch_attention kernel told the real rows, MoE experts, MLA and raw
+    gates on the real rows only) or "kernels" (the linears through batch_qmm too).
+
+    plan "auto": the first of PLANS whose `probe` passes on this device ("kernels" holds by
+    construction); where batch_attention runs on a GPU, from "stock-linears" (the kernel reads no key for
+    a pad row; MLX's attention would run all of them)."""
+    if plan not in ("auto",) + PLANS:
+        raise ValueError(f"plan must be auto, {', '.join(PLANS)}, not {plan!r}")
     if not 1 <= rows <= 16:
         raise ValueError(f"rows must be 1..16 (the batch-invariant kernels' bound), not {rows}")
-    if is_batch_invariant(model) and fixed_rows(model) is None:
-        raise ValueError("the model is already patched by make_batch_invariant without fixed rows")
+    if is_batch_invariant(model):
+        raise ValueError("the model is already patched for batch invariance")
     if not _plain_kv(make_cache(model)):
         make_batch_invariant(model, max_rows=rows)
         return "kernels"
-    stock = linears != "kernels"
-    make_batch_invariant(model, max_rows=rows, linear=not stock, quantized=not stock)
     _install_padding(model, rows)
-    if linears == "auto" and not probe(model, rows):
-        stock = False
-        make_batch_invariant(model, max_rows=rows)  # now the linears too
-    object.__setattr__(model, "_fixed_rows_linears", "stock" if stock else "kernels")
-    return "stock" if stock else "kernels"
+    tries = [plan] if plan != "auto" else list(PLANS[1:] if kernels.backend("batch_attention") != "reference" else PLANS)
+    for chosen in tries:
+        for step in PLANS[: PLANS.index(chosen) + 1]:
+            _apply(model, step, rows)  # patches are additive: re-applying an earlier step changes nothing
+        if chosen == "kernels" or plan != "auto" or probe(model, rows):
+            break
+    object.__setattr__(model, "_fixed_rows_plan", chosen)
+    return chosen
+
+
+def fixed_rows_plan(model: nn.Module) -> str | None:
+    """The plan make_fixed_rows chose for `model`, else None."""
+    return getattr(model, "_fixed_rows_plan", None)
 
 
 def make_invariant(model: nn.Module, mode) -> int | None:
     """Apply a batch-invariance mode: False / None / "off" (leave as is), True / "kernels"
-    (make_batch_invariant), "fixed" (make_fixed_rows, linears "auto"). Returns the model's fixed row
+    (make_batch_invariant), "fixed" (make_fixed_rows, plan "auto"). Returns the model's fixed row
     count (also when it was patched before), or None."""
     if mode in (True, "kernels"):
         make_batch_invariant(model)

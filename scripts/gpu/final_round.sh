@@ -11,9 +11,9 @@ step() { local name=$1 limit=$2; shift 2; echo "== $name" | tee -a $OUT/summary.
 N8=$(python3 -c "import xdist" 2>/dev/null && echo "-n 8")
 python3 -c "from mlx_engine import kernels; print(kernels.describe())" 2>&1 | tail -3
 if [ "$PART" = 1 ]; then
-  step verify_llama 220 python3 -m mlx_engine.bench verify --shape llama-8b --prefill 512 --trials 7
-  step verify_moe 130 python3 -m mlx_engine.bench verify --shape qwen3-30b-a3b --shape-layers 12 --prefill 512 --trials 7
-  step e2e 200 python3 scripts/gpu/verify_speed.py --out $OUT --only e2e2
+  step verify_llama 300 python3 -m mlx_engine.bench verify --shape llama-8b --prefill 512 --trials 7 --fixed-plans auto,stock
+  step verify_moe 110 python3 -m mlx_engine.bench verify --shape qwen3-30b-a3b --shape-layers 12 --prefill 512 --trials 7
+  step e2e 180 python3 scripts/gpu/verify_speed.py --out $OUT --only e2e2
 else
   TAILN=15 step greedy 120 python3 -m pytest -q $N8 -p no:cacheprovider tests/test_greedy_equality.py
   TAILN=15 step fixed_rows 90 python3 -m pytest -q -p no:cacheprovider tests/test_fixed_rows.py

@@ -151,8 +151,8 @@ def e2e2():
         mode = {"stock": False, "invariant": "kernels", "fixed": "fixed"}[path]
         engines = {k: Engine(model, None if k == 0 else NgramDrafter(), batch_invariant=mode) for k in (0, 2, 4)}
         if path == "fixed":
-            out["fixed_linears"] = getattr(model, "_fixed_rows_linears", None)
-            print("fixed-row passes, linears:", out["fixed_linears"], flush=True)
+            out["fixed_plan"] = getattr(model, "_fixed_rows_plan", None)
+            print("fixed-row passes, plan:", out["fixed_plan"], flush=True)
         ref = None
         for rep in range(3):
             for k, eng in engines.items():
