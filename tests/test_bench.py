@@ -83,6 +83,24 @@ def test_bench_verify_reports_stock_invariance():
     assert len(lines) == 2 and all("batch invariant" in line for line in lines)
 
 
+def test_bench_verify_shape_table_times_every_path_and_says_which_are_exact(capsys):
+    """`bench verify --shape` on a 1-layer model: stock, fused and each fixed-row plan asked for, side by side,
+    and the exactness line; the fused and fixed paths are invariant by contract (stock is not asserted)."""
+    from mlx_engine.bench.verify import main as verify_main
+
+    args = ["--shape", "smollm2-135m", "--shape-layers", "1", "--prefill", "8", "--trials", "1", "--max-len", "2"]
+    assert verify_main(args + ["--fixed-plans", "auto,kernels"]) == 0
+    out = capsys.readouterr().out
+    assert "fixed:   16-row passes, plan 'kernels' -> 'kernels'" in out
+    exact = next(line for line in out.splitlines() if line.startswith("8-token verify"))
+    assert "fused yes" in exact and "fixed:kernels yes" in exact
+    rows = [line.split() for line in out.splitlines() if line.split()[:1] in (["1"], ["2"])]
+    assert len(rows) == 2 and all(len(r) == 1 + 2 * 4 for r in rows)  # k+1, then ms and ratio per path
+    with pytest.raises(SystemExit):
+        verify_main(args + ["--fixed-plans", "fast"])
+    assert "--fixed-plans" in capsys.readouterr().err
+
+
 def test_edit_suite_is_well_formed():
     """bench/prompts/edit.jsonl: >= 10 requests to rewrite a given piece of code or text with a small change."""
     from mlx_engine.bench.suite import suite_file

@@ -22,10 +22,13 @@ the instance's class for a subclass, as target.py does), for passes of up to `ma
     (reads the KV cache through its strides), other masks its reference.
   * `nn.Linear` / tied `nn.Embedding.as_linear` (unquantized): one 1-row matmul per row (the op
     sequence of single-token decode, so equal by construction; the weights are streamed once per row).
+  * DeepSeek-V3's MLA attention: decode and verify passes in the absorbed form through kernels
+    "batch_attention" with its rope score term (target/mla.py; mlx-lm switches to the expanded form
+    for L > 1).
   * modules with no invariant kernel, run one token at a time (exactly the decode computation, so
-    equal by construction): `SwitchGLU` over unquantized experts, MLA attention (modules with
-    `embed_q` / `unembed_out`: mlx-lm switches to the expanded form for L > 1), and MoE gates that
-    hold a raw weight matrix (`*Gate` modules such as DeepSeek's MoEGate).
+    equal by construction): `SwitchGLU` over unquantized experts, the MLA attention of other families
+    (modules with `embed_q` / `unembed_out`), and MoE gates that hold a raw weight matrix (`*Gate`
+    modules such as DeepSeek's MoEGate).
 
 Passes of more rows (prefill) run stock: the contract covers decode and verify. Not covered: quantized
 KV caches, attention sinks, non-affine quantization (mxfp4 / nvfp4 / mxfp8), the GatedDeltaNet
@@ -47,6 +50,7 @@ from .. import kernels
 from ..kernels.batch_attention import attention_reference as invariant_attention  # noqa: F401  (API)
 from ..kernels.batch_attention import supported as attention_supported
 from ..kernels.batch_attention import tree_sum  # noqa: F401  (API)
+from .mla import invariant_mla_call, is_deepseek_mla
 
 MAX_ROWS = 16  # rows per pass covered by the contract (verify passes are k+1 <= 16)
 
@@ -238,6 +242,17 @@ def _gate_per_token_class(cls: type) -> type:
     return type(cls.__name__, (cls,), {"__call__": __call__, "_mlx_engine_batch_invariant": True})
 
 
+def _mla_class(cls: type) -> type:
+    """DeepSeek-V3's MLA attention: decode and verify passes in the absorbed form (target/mla.py)."""
+
+    def __call__(self, x, mask=None, cache=None):
+        if not _active.get() or x.ndim < 3 or _tokens(x) > self._bi_rows:
+            return cls.__call__(self, x, mask, cache)
+        return invariant_mla_call(self, x, cache, self._bi_split, _live(x))
+
+    return type(cls.__name__, (cls,), {"__call__": __call__, "_mlx_engine_batch_invariant": True})
+
+
 def _is_mla_attention(m: nn.Module) -> bool:
     return isinstance(getattr(m, "embed_q", None), nn.Module) and isinstance(getattr(m, "unembed_out", None), nn.Module)
 
@@ -339,6 +354,9 @@ def make_batch_invariant(model: nn.Module, max_rows: int = MAX_ROWS, linear: boo
             _swap(m, QuantizedSwitchLinear, _QSwitchLinear, max_rows)
         elif isinstance(m, SwitchGLU):
             _swap(m, SwitchGLU, _SwitchGLU, max_rows)
+        elif is_deepseek_mla(m):
+            _swap_generated(m, _mla_class, "mla", max_rows)
+            object.__setattr__(m, "_bi_split", linear)  # embed_q / unembed_out one row at a time
         elif _is_mla_attention(m):
             _swap_generated(m, _per_token_class, "per_token", max_rows)
         elif _is_raw_gate(m):

@@ -1,0 +1,65 @@
+"""DeepSeek-V3's MLA attention on the batch-invariant path (target/mla.py): decode and verify passes in the
+absorbed form through the batch attention with its rope term. Its output agrees with mlx-lm's (absorbed
+for one token, expanded for more) to float rounding, a verify pass equals single steps bit for bit, and
+greedy speculative output equals plain output."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models.deepseek_v3 import DeepseekV3Attention
+from mlx_lm.utils import quantize_model
+
+import tiny_models
+from mlx_engine import DraftModelDrafter, Engine, GenerationConfig
+from mlx_engine.target import cache as cache_ops
+from mlx_engine.target.batch_invariant import make_batch_invariant
+from test_greedy_equality import PROMPT
+
+DIMS = dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=64)
+TOKENS = [5, 99, 12, 250, 7, 8, 33, 1, 64, 3]
+
+
+def build(bits: int = 0):
+    model, cfg = tiny_models.build("deepseek_v3", seed=1, **DIMS)
+    if bits:
+        quantize_model(model, cfg, 64, bits)
+    return model
+
+
+def logits(model, sizes):
+    cache = cache_ops.make_cache(model)
+    model(mx.array(PROMPT)[None], cache=cache)
+    out, at = [], 0
+    for n in sizes:
+        out.append(model(mx.array(TOKENS[at : at + n])[None], cache=cache)[0])
+        at += n
+    return np.array(mx.concatenate(out))
+
+
+def test_the_attention_modules_take_the_absorbed_path():
+    model = make_batch_invariant(build())
+    mla = [m for _, m in model.named_modules() if isinstance(m, DeepseekV3Attention)]
+    assert mla and all(type(m).__call__ is not DeepseekV3Attention.__call__ for m in mla)
+    assert all(m._bi_split for m in mla)
+
+
+@pytest.mark.parametrize("bits", [0, 4])
+def test_absorbed_path_agrees_with_mlx_lm_and_verify_equals_single_steps(bits):
+    stock, patched = build(bits), make_batch_invariant(build(bits))
+    sizes = [1, 4, 1, 3]
+    np.testing.assert_allclose(logits(patched, sizes), logits(stock, sizes), rtol=1e-4, atol=1e-4)
+    for n in (2, 5, 10):
+        assert np.array_equal(logits(patched, [n]), logits(patched, [1] * n)), f"{n} rows"
+
+
+def test_greedy_speculative_equals_plain_on_the_absorbed_path():
+    model = make_batch_invariant(build(4))
+
+    def run(drafter, k):
+        engine = Engine(model, drafter)
+        return [t for s in engine.generate(PROMPT, GenerationConfig(max_tokens=40, num_draft=k)) for t in s.tokens], engine
+
+    plain, _ = run(None, 0)
+    tokens, engine = run(DraftModelDrafter(build(0), tiny_models.VOCAB), 3)  # the unquantized parent
+    assert tokens == plain
+    assert 0 < engine.stats.accepted < engine.stats.drafted, "the test needs partial acceptance"
