@@ -48,8 +48,8 @@ def emulated(kernel: EmuKernel, launch_spec):
     launch (`launch_spec(*args)`), returning MLX arrays of the launch's output dtypes."""
     import mlx.core as mx
 
-    def fn(*args):
-        spec = launch_spec(*args)
+    def fn(*args, **kwargs):
+        spec = launch_spec(*args, **kwargs)
         outs = []
         for o, dt in zip(run(kernel, spec), spec.output_dtypes):
             a = mx.array(o)

@@ -63,3 +63,34 @@ def test_greedy_speculative_equals_plain_on_the_absorbed_path():
     tokens, engine = run(DraftModelDrafter(build(0), tiny_models.VOCAB), 3)  # the unquantized parent
     assert tokens == plain
     assert 0 < engine.stats.accepted < engine.stats.drafted, "the test needs partial acceptance"
+
+
+@pytest.mark.parametrize("path", ["kernels", "fixed"])
+def test_the_model_path_through_the_emulated_attention_kernel(monkeypatch, path):
+    """Dims the kernel takes (multiples of 32), its Metal body on the CPU emulator in the registry's place:
+    the absorbed path (and a fixed-row pass, whose pad rows the kernel skips) gives verify == singles bit
+    for bit, close to mlx-lm."""
+    from metal_emu_util import emu_kernel, emulated
+    from metal_kernels.emu import compiler_available
+
+    from mlx_engine import kernels
+    from mlx_engine.kernels import batch_attention as A
+    from mlx_engine.target.fixed_rows import make_fixed_rows
+
+    if not compiler_available():
+        pytest.skip("the Metal emulator needs g++")
+    monkeypatch.setitem(kernels._resolved, "batch_attention", ("metal", emulated(emu_kernel(A), A.launch_spec)))
+    dims = dict(DIMS, num_attention_heads=2, num_key_value_heads=2, kv_lora_rank=32, qk_rope_head_dim=32,
+                qk_nope_head_dim=32, v_head_dim=32, q_lora_rank=None)
+    stock = tiny_models.build("deepseek_v3", seed=1, **dims)[0]
+    model = tiny_models.build("deepseek_v3", seed=1, **dims)[0]
+    if path == "kernels":
+        make_batch_invariant(model)
+    else:
+        assert make_fixed_rows(model, rows=4, plan="stock-linears") == "stock-linears"
+    calls = []
+    real = kernels._resolved["batch_attention"][1]
+    monkeypatch.setitem(kernels._resolved, "batch_attention", ("metal", lambda *a, **kw: calls.append(kw) or real(*a, **kw)))
+    assert np.array_equal(logits(model, [3]), logits(model, [1] * 3))
+    assert {c.get("live") for c in calls} == ({None} if path == "kernels" else {1, 3})  # fixed: real rows told
+    np.testing.assert_allclose(logits(model, [3]), logits(stock, [3]), rtol=1e-4, atol=1e-4)
