@@ -125,3 +125,29 @@ def test_benchmark_fp32_row_split_cost():
                 mx.eval(fn())
             times[name] = (time.perf_counter() - t) / 20 * 1e3
         print(f"\nM={M}: stock {times['stock']:.3f} ms, invariant {times['invariant']:.3f} ms")
+
+
+def test_without_a_gpu_kernel_attention_rows_are_the_decode_steps_own_calls():
+    """With the attention op on its reference (no GPU), each verify row runs MLX's own 1-query attention over
+    exactly its keys, the decode step's call: an fp32 model (row-split linears, 1-row matmuls as stock decode
+    runs) then decodes bit for bit as stock does, and its verify rows equal those steps."""
+    from mlx_engine import kernels
+
+    if kernels.backend("batch_attention") != "reference":
+        pytest.skip("a GPU attention kernel is in use")
+    prompt = mx.array(PROMPT * 2)[None]  # 22 tokens: a prefill beyond the contract's 16 rows, stock in both
+
+    def passes(model, sizes):
+        cache = cache_ops.make_cache(model)
+        model(prompt, cache=cache)
+        out, at = [], 0
+        for n in sizes:
+            out.append(model(mx.array(VERIFY[at : at + n])[None], cache=cache)[0])
+            at += n
+        return np.array(mx.concatenate(out))
+
+    stock = tiny_models.build("llama", seed=1)[0]
+    patched = make_batch_invariant(tiny_models.build("llama", seed=1)[0])
+    singles = passes(patched, [1] * 6)
+    assert np.array_equal(singles, passes(stock, [1] * 6))
+    assert np.array_equal(passes(patched, [6]), singles)

@@ -19,7 +19,9 @@ the instance's class for a subclass, as target.py does), for passes of up to `ma
     for all rows routed to it), the SwitchGLU without its sorting step.
   * attention: the module-level `scaled_dot_product_attention` mlx-lm's attention layers call is
     wrapped; while a patched model runs, causal / unmasked attention is kernels "batch_attention"
-    (reads the KV cache through its strides), other masks its reference.
+    (reads the KV cache through its strides), other masks its reference. Where that op has no GPU
+    kernel (the CPU), each real query row runs MLX's own attention alone over exactly its keys: the
+    decode step's own call, so equal to it by construction, and 2-3x cheaper there than the reference.
   * `nn.Linear` / tied `nn.Embedding.as_linear` (unquantized): one 1-row matmul per row (the op
     sequence of single-token decode, so equal by construction; the weights are streamed once per row).
   * DeepSeek-V3's MLA attention: decode and verify passes in the absorbed form through kernels
@@ -292,6 +294,19 @@ def _swap_generated(module: nn.Module, make, tag: str, max_rows: int) -> None:
     object.__setattr__(module, "_bi_rows", max_rows)
 
 
+def _row_attention(original, q, k, v, cache, scale: float, causal: bool, live: int | None) -> mx.array:
+    """Without a GPU attention kernel: each real query row alone, over exactly the keys it sees, through
+    MLX's own attention: the call of the decode step at that position, so equal to it by construction
+    (and much cheaper on a CPU than the tree-sum reference). Pad rows of a fixed-row pass are zeros."""
+    L, N = q.shape[2], k.shape[2]
+    outs = []
+    for i in range(live or L):
+        n = N - L + i + 1 if causal else N
+        outs.append(original(q[:, :, i : i + 1], k[:, :, :n], v[:, :, :n], cache=cache, scale=scale, mask=None))
+    out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=2)
+    return mx.pad(out, [(0, 0), (0, 0), (0, L - live), (0, 0)]) if live else out
+
+
 def _wrap_attention_module(modname: str) -> None:
     mod = sys.modules.get(modname)
     if mod is None:
@@ -304,9 +319,11 @@ def _wrap_attention_module(modname: str) -> None:
         plain = hasattr(cache, "bits") or kw or sinks is not None or queries.shape[2] > MAX_ROWS
         if _active.get() and not plain:
             live = live_rows.get() if live_rows.get() is not None and live_rows.get() < queries.shape[2] else None
+            causal = mask == "causal" or queries.shape[2] == 1  # one query, no mask: the causal case too
+            if (mask is None or mask == "causal") and kernels.backend("batch_attention") == "reference":
+                return _row_attention(original, queries, keys, values, cache, scale, causal, live)
             if (mask is None or mask == "causal") and attention_supported(queries, keys, values):
-                # one query with no mask is the causal case too: one compiled kernel for decode and verify
-                causal = mask == "causal" or queries.shape[2] == 1
+                # one compiled kernel for decode and verify
                 return kernels.get("batch_attention")(queries, keys, values, scale, causal, live=live)
             return invariant_attention(queries, keys, values, scale, mask == "causal",
                                        mask=None if isinstance(mask, str) else mask, live=live)

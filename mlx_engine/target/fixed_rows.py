@@ -12,8 +12,9 @@ whatever the pad holds. What the rest runs is the plan:
 
   "stock"          every op MLX's own at `rows` rows: nothing patched but the pad and the cut.
   "stock-linears"  MLX's linears; attention through the batch_attention kernel told how many rows are
-                   real (pad rows read no key, their rows are zeros); MoE experts (gather_qmm), MLA
-                   attention and raw-weight MoE gates (one token at a time) on the real rows only.
+                   real (pad rows read no key, their rows are zeros; without a GPU kernel each real row
+                   alone through MLX's attention); MoE experts (gather_qmm), MLA attention and raw-weight
+                   MoE gates on the real rows only.
   "kernels"        the linears through batch_qmm / row-split matmuls too (target/batch_invariant.py).
 
 Why: with stock MLX a verify pass picks its kernels by row count (a quantized matmul runs qmv per row
