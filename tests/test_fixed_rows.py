@@ -158,3 +158,14 @@ def test_speculative_greedy_equals_plain_with_drafts_capped_at_rows_minus_one(fa
         assert tokens == plain, f"{drafter.name} k={k}"
         assert engine.stats.drafted > 0
         assert len(engine.stats.drafted_at) == (ROWS - 1 if k > ROWS - 1 else k)  # the longest draft
+
+
+def test_the_gpu_default_can_name_the_fixed_path(monkeypatch):
+    from mlx_engine.core import engine as engine_module
+
+    monkeypatch.setattr(engine_module, "gpu_decoding", lambda: True)
+    monkeypatch.setattr(engine_module, "INVARIANT_BY_DEFAULT_ON_GPU", "fixed")
+    assert Engine(build("llama", 0)).max_rows == 16
+    monkeypatch.setattr(engine_module, "INVARIANT_BY_DEFAULT_ON_GPU", False)
+    engine = Engine(build("llama", 0))
+    assert engine.max_rows is None and not engine.batch_invariant

@@ -78,8 +78,8 @@ def gpu_decoding() -> bool:
 # The batch-invariant path becomes the default decode path on GPUs once it is as fast as stock decoding
 # there. Measured on an H100 (issue 12: Llama-3-8B-shaped, 4-bit, bf16): its 1-token forward takes
 # 11.0 ms against stock's 7.6 (attention and the small projections are slower than MLX's), so plain
-# decoding ran at 76 tok/s against stock's 124 (docs/kernels.md). Until then it is opt-in: Engine(batch_invariant=True), or
-# --batch-invariant on the command line.
+# decoding ran at 76 tok/s against stock's 124 (docs/kernels.md). Until then it is opt-in: Engine(batch_invariant=True
+# or "fixed"), --batch-invariant [fixed]. The fixed-row path is not measured on a GPU yet; "fixed" here would pick it.
 INVARIANT_BY_DEFAULT_ON_GPU = False
 
 
@@ -93,7 +93,7 @@ class Engine:
         bit for bit on any device: True / "kernels" (target/batch_invariant.py), "fixed" (fixed-row passes,
         target/fixed_rows.py). None: on a GPU when INVARIANT_BY_DEFAULT_ON_GPU (not yet: see there), else off."""
         if batch_invariant is None:
-            batch_invariant = INVARIANT_BY_DEFAULT_ON_GPU and gpu_decoding()
+            batch_invariant = INVARIANT_BY_DEFAULT_ON_GPU if gpu_decoding() else False  # False, True or "fixed"
         self.max_rows = make_invariant(model, batch_invariant)  # fixed-row passes: k + 1 <= max_rows
         self.batch_invariant = is_batch_invariant(model)
         self.target = Target(model)
