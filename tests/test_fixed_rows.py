@@ -169,3 +169,17 @@ def test_the_gpu_default_can_name_the_fixed_path(monkeypatch):
     monkeypatch.setattr(engine_module, "INVARIANT_BY_DEFAULT_ON_GPU", False)
     engine = Engine(build("llama", 0))
     assert engine.max_rows is None and not engine.batch_invariant
+
+
+def test_a_positional_cache_is_padded_too(monkeypatch):
+    from mlx_lm.models.llama import Model
+
+    model, _ = fixed("llama", 4)
+    seen = []
+    real = Model.__call__
+    monkeypatch.setattr(Model, "__call__", lambda self, x, *a, **kw: seen.append(x.shape[1]) or real(self, x, *a, **kw))
+    a, b = cache_ops.make_cache(model), cache_ops.make_cache(model)
+    x = mx.array(TOKENS[:3])[None]
+    assert np.array_equal(np.array(model(x, a)), np.array(model(x, cache=b)))
+    assert seen == [ROWS, ROWS]  # both calls ran padded to the fixed row count
+    assert a[0].offset == b[0].offset == 3

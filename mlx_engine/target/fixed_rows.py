@@ -65,6 +65,8 @@ def _install_padding(model: nn.Module, rows: int) -> None:
         return
 
     def __call__(self, inputs, *args, cache=None, **kwargs):
+        if args and cache is None:  # model(inputs, cache), as mlx-lm's signature allows
+            cache, args = args[0], args[1:]
         n = inputs.shape[1] if inputs.ndim == 2 else rows
         R = self._fixed_rows
         if inputs.ndim != 2 or inputs.shape[0] != 1 or not 0 < n < R or not _plain_kv(cache or []) or args or kwargs:
