@@ -61,10 +61,21 @@ _active: contextvars.ContextVar[bool] = contextvars.ContextVar("mlx_engine_batch
 live_rows: contextvars.ContextVar[int | None] = contextvars.ContextVar("mlx_engine_live_rows", default=None)
 
 
-def _live(x: mx.array) -> int | None:
-    """Real rows of x [B, L, ...] when the rows after them pad a fixed-row pass, else None."""
+def _live(x: mx.array, axis: int = 1) -> int | None:
+    """Real rows of x along `axis` (the token rows: 1 for [B, L, ...], 2 for attention's [B, H, L, D]) when
+    the rows after them pad a fixed-row pass, else None."""
     live = live_rows.get()
-    return live if live is not None and x.ndim >= 3 and live < x.shape[1] else None
+    return live if live is not None and x.ndim > axis + 1 and live < x.shape[axis] else None
+
+
+def _joined(outs: list, rows: int, live: int | None):
+    """Per-token outputs (arrays or tuples of them) [B, 1, ...] joined along axis 1, zero rows appended up
+    to `rows` when they were the real rows of a fixed-row pass."""
+    if isinstance(outs[0], tuple):
+        out = tuple(mx.concatenate(parts, axis=1) for parts in zip(*outs))
+    else:
+        out = mx.concatenate(outs, axis=1)
+    return _padded(out, rows) if live else out
 
 
 def _padded(out, rows: int):
@@ -117,12 +128,7 @@ def _per_token(call, x: mx.array, *args, **kwargs):
     elif args:
         args = (None,) + args[1:]
     live = _live(x)
-    outs = [call(x[:, i : i + 1], *args, **kwargs) for i in range(live or x.shape[1])]
-    if isinstance(outs[0], tuple):
-        out = tuple(mx.concatenate(parts, axis=1) for parts in zip(*outs))
-    else:
-        out = mx.concatenate(outs, axis=1)
-    return _padded(out, x.shape[1]) if live else out
+    return _joined([call(x[:, i : i + 1], *args, **kwargs) for i in range(live or x.shape[1])], x.shape[1], live)
 
 
 def _sliced_args(args: tuple, i: int) -> tuple:
@@ -235,11 +241,7 @@ def _gate_per_token_class(cls: type) -> type:
             return cls.__call__(self, x, *args, **kwargs)
         live = _live(x)
         outs = [cls.__call__(self, x[:, i : i + 1], *_sliced_args(args, i), **kwargs) for i in range(live or x.shape[1])]
-        if isinstance(outs[0], tuple):
-            out = tuple(mx.concatenate(parts, axis=1) for parts in zip(*outs))
-        else:
-            out = mx.concatenate(outs, axis=1)
-        return _padded(out, x.shape[1]) if live else out
+        return _joined(outs, x.shape[1], live)
 
     return type(cls.__name__, (cls,), {"__call__": __call__, "_mlx_engine_batch_invariant": True})
 
@@ -318,7 +320,7 @@ def _wrap_attention_module(modname: str) -> None:
     def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None, **kw):
         plain = hasattr(cache, "bits") or kw or sinks is not None or queries.shape[2] > MAX_ROWS
         if _active.get() and not plain:
-            live = live_rows.get() if live_rows.get() is not None and live_rows.get() < queries.shape[2] else None
+            live = _live(queries, axis=2)
             causal = mask == "causal" or queries.shape[2] == 1  # one query, no mask: the causal case too
             if (mask is None or mask == "causal") and kernels.backend("batch_attention") == "reference":
                 return _row_attention(original, queries, keys, values, cache, scale, causal, live)

@@ -108,6 +108,8 @@ PLANS = ("stock", "stock-linears", "kernels")  # fewest patches first; each adds
 
 
 def _apply(model: nn.Module, plan: str, rows: int) -> None:
+    """The patches of `plan` (each plan's are a superset of the one before, so a later plan applied over
+    an earlier one is that later plan)."""
     if plan == "stock-linears":  # attention kernel, MoE / MLA / gates on real rows; linears stay MLX's
         make_batch_invariant(model, max_rows=rows, linear=False, quantized=False)
     elif plan == "kernels":
@@ -135,8 +137,7 @@ def make_fixed_rows(model: nn.Module, rows: int = DEFAULT_ROWS, plan: str = "aut
     _install_padding(model, rows)
     tries = [plan] if plan != "auto" else list(PLANS[1:] if kernels.backend("batch_attention") != "reference" else PLANS)
     for chosen in tries:
-        for step in PLANS[: PLANS.index(chosen) + 1]:
-            _apply(model, step, rows)  # patches are additive: re-applying an earlier step changes nothing
+        _apply(model, chosen, rows)
         if chosen == "kernels" or plan != "auto" or probe(model, rows):
             break
     object.__setattr__(model, "_fixed_rows_plan", chosen)
