@@ -31,14 +31,21 @@ def quantized(family, bits, patched=True):
     return make_batch_invariant(model) if patched else model
 
 
+def passes(model, sizes, tokens=VERIFY, prompt=PROMPT):
+    """(logits [sum(sizes), V] as numpy, the cache): passes of the given sizes over `tokens`, in order,
+    after `prompt`, on a fresh cache."""
+    cache = cache_ops.make_cache(model)
+    model(mx.array(prompt)[None], cache=cache)
+    out, at = [], 0
+    for n in sizes:
+        out.append(model(mx.array(tokens[at : at + n])[None], cache=cache)[0])
+        at += n
+    return np.array(mx.concatenate(out)), cache
+
+
 def verify_vs_singles(model, n):
-    """(logits of one n-token pass, logits of n 1-token passes), both over the same prefilled cache."""
-    a, b = cache_ops.make_cache(model), cache_ops.make_cache(model)
-    model(mx.array(PROMPT)[None], cache=a)
-    model(mx.array(PROMPT)[None], cache=b)
-    full = model(mx.array(VERIFY[:n])[None], cache=a)[0]
-    singles = mx.concatenate([model(mx.array([t])[None], cache=b)[0] for t in VERIFY[:n]])
-    return np.array(full), np.array(singles)
+    """(logits of one n-token pass, logits of n 1-token passes), each over the prefilled prompt."""
+    return passes(model, [n])[0], passes(model, [1] * n)[0]
 
 
 @pytest.mark.parametrize("family,bits", [("llama", 4), ("llama", 8), ("qwen3", 4)])  # qwen3: tied, quantized lm_head
@@ -135,19 +142,9 @@ def test_without_a_gpu_kernel_attention_rows_are_the_decode_steps_own_calls():
 
     if kernels.backend("batch_attention") != "reference":
         pytest.skip("a GPU attention kernel is in use")
-    prompt = mx.array(PROMPT * 2)[None]  # 22 tokens: a prefill beyond the contract's 16 rows, stock in both
-
-    def passes(model, sizes):
-        cache = cache_ops.make_cache(model)
-        model(prompt, cache=cache)
-        out, at = [], 0
-        for n in sizes:
-            out.append(model(mx.array(VERIFY[at : at + n])[None], cache=cache)[0])
-            at += n
-        return np.array(mx.concatenate(out))
-
+    prompt = PROMPT * 2  # 22 tokens: a prefill beyond the contract's 16 rows, stock in both
     stock = tiny_models.build("llama", seed=1)[0]
     patched = make_batch_invariant(tiny_models.build("llama", seed=1)[0])
-    singles = passes(patched, [1] * 6)
-    assert np.array_equal(singles, passes(stock, [1] * 6))
-    assert np.array_equal(passes(patched, [6]), singles)
+    singles = passes(patched, [1] * 6, prompt=prompt)[0]
+    assert np.array_equal(singles, passes(stock, [1] * 6, prompt=prompt)[0])
+    assert np.array_equal(passes(patched, [6], prompt=prompt)[0], singles)

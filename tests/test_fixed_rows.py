@@ -16,6 +16,7 @@ from mlx_engine import DraftModelDrafter, Engine, GenerationConfig, NgramDrafter
 from mlx_engine.target import cache as cache_ops
 from mlx_engine.target.batch_invariant import _QLinear, make_batch_invariant
 from mlx_engine.target.fixed_rows import PLANS, fixed_rows, fixed_rows_plan, make_fixed_rows, make_invariant, probe
+import test_batch_invariance as batch_invariance
 from test_batch_invariance import DIMS, VERIFY
 from test_greedy_equality import PROMPT
 
@@ -46,14 +47,7 @@ def fixed(family: str, bits: int, plan: str = "kernels"):
 
 
 def passes(model, sizes):
-    """Logits of passes of the given sizes over TOKENS, after the prompt, and the cache they leave."""
-    cache = cache_ops.make_cache(model)
-    mx.eval(model(mx.array(PROMPT)[None], cache=cache))
-    out, at = [], 0
-    for n in sizes:
-        out.append(model(mx.array(TOKENS[at : at + n])[None], cache=cache)[0])
-        at += n
-    return mx.concatenate(out), cache
+    return batch_invariance.passes(model, sizes, TOKENS)
 
 
 @pytest.mark.parametrize("family,bits", CASES)
@@ -65,7 +59,7 @@ def test_the_pad_changes_no_bit_of_a_real_row_nor_of_the_cache(family, bits):
     sizes = [1, 3, ROWS, 2, 1]
     a, ca = passes(model, sizes)
     b, cb = passes(plain, sizes)
-    assert np.array_equal(np.array(a), np.array(b))
+    assert np.array_equal(a, b)
     for x, y in zip(ca, cb):
         assert x.offset == y.offset == len(PROMPT) + sum(sizes)
         for u, v in ((x.keys, y.keys), (x.values, y.values)):  # the rows held (past the offset: stale pad rows)
@@ -78,7 +72,7 @@ def test_verify_pass_equals_single_steps_bit_for_bit(family, bits):
     for n in (2, 5, ROWS):
         full, _ = passes(model, [n])
         singles, _ = passes(model, [1] * n)
-        assert np.array_equal(np.array(full), np.array(singles)), f"{n} rows"
+        assert np.array_equal(full, singles), f"{n} rows"
 
 
 @pytest.mark.parametrize("plan", ["stock", "stock-linears"])
@@ -94,7 +88,7 @@ def test_plans_with_mlx_ops_hold_wherever_the_probe_passes(family, bits, plan):
     for n in (2, 5, ROWS):
         full, _ = passes(model, [n])
         singles, _ = passes(model, [1] * n)
-        assert np.array_equal(np.array(full), np.array(singles)), f"{n} rows"
+        assert np.array_equal(full, singles), f"{n} rows"
 
 
 def row_mixing(fn):

@@ -3,7 +3,6 @@ absorbed form through the batch attention with its rope term. Its output agrees 
 for one token, expanded for more) to float rounding, a verify pass equals single steps bit for bit, and
 greedy speculative output equals plain output."""
 
-import mlx.core as mx
 import numpy as np
 import pytest
 from mlx_lm.models.deepseek_v3 import DeepseekV3Attention
@@ -11,8 +10,8 @@ from mlx_lm.utils import quantize_model
 
 import tiny_models
 from mlx_engine import DraftModelDrafter, Engine, GenerationConfig
-from mlx_engine.target import cache as cache_ops
 from mlx_engine.target.batch_invariant import make_batch_invariant
+from test_batch_invariance import passes
 from test_greedy_equality import PROMPT
 
 DIMS = dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=64)
@@ -27,13 +26,7 @@ def build(bits: int = 0):
 
 
 def logits(model, sizes):
-    cache = cache_ops.make_cache(model)
-    model(mx.array(PROMPT)[None], cache=cache)
-    out, at = [], 0
-    for n in sizes:
-        out.append(model(mx.array(TOKENS[at : at + n])[None], cache=cache)[0])
-        at += n
-    return np.array(mx.concatenate(out))
+    return passes(model, sizes, TOKENS)[0]
 
 
 def test_the_attention_modules_take_the_absorbed_path():
