@@ -65,7 +65,7 @@ def test_batch_invariant_flag_decodes_the_same_tokens(dirs, capsys, monkeypatch)
     fixed = run_json(capsys, *common, "--drafter", "ngram", "--num-draft", "3", "--batch-invariant", "fixed")
     off = run_json(capsys, *common, "--no-batch-invariant")
     assert [e.batch_invariant for e in engines] == [False, True, True, True, False]
-    assert [e.max_rows for e in engines] == [None, None, None, 16, None]  # fixed: 16-row passes
+    assert [e.max_rows for e in engines] == [None, 16, 16, 16, None]  # invariant passes of up to 16 tokens
     assert spec["tokens"] == plain["tokens"] == stock["tokens"] == fixed["tokens"] == off["tokens"]
 
 

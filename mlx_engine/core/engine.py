@@ -94,7 +94,7 @@ class Engine:
         target/fixed_rows.py). None: on a GPU when INVARIANT_BY_DEFAULT_ON_GPU (not yet: see there), else off."""
         if batch_invariant is None:
             batch_invariant = INVARIANT_BY_DEFAULT_ON_GPU if gpu_decoding() else False  # False, True or "fixed"
-        self.max_rows = make_invariant(model, batch_invariant)  # fixed-row passes: k + 1 <= max_rows
+        self.max_rows = make_invariant(model, batch_invariant)  # invariant passes: k + 1 <= max_rows
         self.batch_invariant = is_batch_invariant(model)
         self.target = Target(model)
         self.drafter = drafter

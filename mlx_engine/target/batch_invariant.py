@@ -11,17 +11,18 @@ near-tie argmaxes flip between verify and plain decode. Row-local stock ops (emb
 `mx.fast.rms_norm`, RoPE with an offset, activations, residual adds) are invariant and left alone.
 
 What it installs (parameters are untouched: every patched module keeps its arrays and names; we swap
-the instance's class for a subclass, as target.py does), for passes of up to `max_rows` rows:
+the instance's class for a subclass, as target.py does), for passes of up to `max_rows` tokens per
+sequence: one sequence (the engine's verify passes) or several over a BatchKVCache (the batch engine's
+steps; every (sequence, token) row then gets the bits of its sequence's single-token step; see
+target/invariant_rows.py):
 
   * `nn.QuantizedLinear` / `nn.QuantizedEmbedding.as_linear` (affine 4/8-bit, group 32/64/128):
     kernels "batch_qmm" (each weight read once for all rows; on the CPU its reference).
   * `QuantizedSwitchLinear` in `SwitchGLU` (MoE experts): kernels "gather_qmm" (each expert read once
     for all rows routed to it), the SwitchGLU without its sorting step.
   * attention: the module-level `scaled_dot_product_attention` mlx-lm's attention layers call is
-    wrapped; while a patched model runs, causal / unmasked attention is kernels "batch_attention"
-    (reads the KV cache through its strides), other masks its reference. Where that op has no GPU
-    kernel (the CPU), each real query row runs MLX's own attention alone over exactly its keys: the
-    decode step's own call, so equal to it by construction, and 2-3x cheaper there than the reference.
+    wrapped (target/invariant_attention.py): kernels "batch_attention" over each sequence's own keys,
+    or on a CPU MLX's own attention one query row at a time.
   * `nn.Linear` / tied `nn.Embedding.as_linear` (unquantized): one 1-row matmul per row (the op
     sequence of single-token decode, so equal by construction; the weights are streamed once per row).
   * DeepSeek-V3's MLA attention: decode and verify passes in the absorbed form through kernels
@@ -29,8 +30,8 @@ the instance's class for a subclass, as target.py does), for passes of up to `ma
     for L > 1).
   * modules with no invariant kernel, run one token at a time (exactly the decode computation, so
     equal by construction): `SwitchGLU` over unquantized experts, the MLA attention of other families
-    (modules with `embed_q` / `unembed_out`), and MoE gates that hold a raw weight matrix (`*Gate`
-    modules such as DeepSeek's MoEGate).
+    (modules with `embed_q` / `unembed_out`; one sequence only: `several_sequences_unsupported`), and
+    MoE gates that hold a raw weight matrix (`*Gate` modules such as DeepSeek's MoEGate).
 
 Passes of more rows (prefill) run stock: the contract covers decode and verify. Not covered: quantized
 KV caches, attention sinks, non-affine quantization (mxfp4 / nvfp4 / mxfp8), the GatedDeltaNet
@@ -41,49 +42,16 @@ invariant on every device, and its logits agree with the CPU's to float rounding
 
 from __future__ import annotations
 
-import contextvars
-import sys
-
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchGLU
 
 from .. import kernels
 from ..kernels.batch_attention import attention_reference as invariant_attention  # noqa: F401  (API)
-from ..kernels.batch_attention import supported as attention_supported
 from ..kernels.batch_attention import tree_sum  # noqa: F401  (API)
+from .invariant_attention import wrap_attention_module
+from .invariant_rows import MAX_ROWS, active, chunks, concat, covered, each_row, live, live_rows, padded  # noqa: F401
 from .mla import invariant_mla_call, is_deepseek_mla
-
-MAX_ROWS = 16  # rows per pass covered by the contract (verify passes are k+1 <= 16)
-
-_active: contextvars.ContextVar[bool] = contextvars.ContextVar("mlx_engine_batch_invariant", default=False)
-# the real rows of a fixed-row pass (target/fixed_rows.py: the rest pad it to a fixed row count), else None
-live_rows: contextvars.ContextVar[int | None] = contextvars.ContextVar("mlx_engine_live_rows", default=None)
-
-
-def _live(x: mx.array, axis: int = 1) -> int | None:
-    """Real rows of x along `axis` (the token rows: 1 for [B, L, ...], 2 for attention's [B, H, L, D]) when
-    the rows after them pad a fixed-row pass, else None."""
-    live = live_rows.get()
-    return live if live is not None and x.ndim > axis + 1 and live < x.shape[axis] else None
-
-
-def _joined(outs: list, rows: int, live: int | None):
-    """Per-token outputs (arrays or tuples of them) [B, 1, ...] joined along axis 1, zero rows appended up
-    to `rows` when they were the real rows of a fixed-row pass."""
-    if isinstance(outs[0], tuple):
-        out = tuple(mx.concatenate(parts, axis=1) for parts in zip(*outs))
-    else:
-        out = mx.concatenate(outs, axis=1)
-    return _padded(out, rows) if live else out
-
-
-def _padded(out, rows: int):
-    """out (an array or a tuple of them) [B, live, ...] with zero rows appended along axis 1 up to `rows`."""
-    if isinstance(out, tuple):
-        return tuple(_padded(o, rows) for o in out)
-    return mx.pad(out, [(0, 0), (0, rows - out.shape[1])] + [(0, 0)] * (out.ndim - 2))
-
 
 # ---------------------------------------------------------------------------------------------------
 # the row-splitting and kernel-backed forms of each patched op
@@ -93,31 +61,33 @@ def _rows_2d(x: mx.array) -> mx.array:
     return x.reshape(-1, x.shape[-1])
 
 
+def _per_sequence_rows(x: mx.array) -> int:
+    """Tokens per sequence of an activation: L of [B, L, D] (and of [.., L, D]), M of [M, D]."""
+    return x.shape[-2] if x.ndim >= 2 else 1
+
+
 def _qmm(x: mx.array, w, scales, biases, group_size: int, bits: int, max_rows: int) -> mx.array:
+    """x @ dequantized(w).T: kernels "batch_qmm" in launches of at most MAX_ROWS rows (each row the bits
+    of its 1-row launch) when x has at most max_rows tokens per sequence, else (prefill) stock."""
     x2 = _rows_2d(x)
-    if x2.shape[0] <= max_rows:
-        y = kernels.get("batch_qmm")(x2, w, scales, biases, group_size, bits)
+    if _per_sequence_rows(x) <= max_rows:
+        qmm = kernels.get("batch_qmm")
+        y = concat([qmm(x2[a:b], w, scales, biases, group_size, bits) for a, b in chunks(x2.shape[0])], axis=0)
     else:  # prefill: outside the contract, the fast stock path
         y = mx.quantized_matmul(x2, w, scales, biases, transpose=True, group_size=group_size, bits=bits)
     return y.reshape(*x.shape[:-1], w.shape[0])
 
 
 def _matmul_t(x: mx.array, weight: mx.array, max_rows: int, bias=None) -> mx.array:
-    """x @ weight.T (+ bias): one 1-row matmul per row up to max_rows rows."""
+    """x @ weight.T (+ bias): one 1-row matmul per row when x has at most max_rows tokens per sequence."""
     x2 = _rows_2d(x)
-    M = x2.shape[0]
     wt = weight.T
     one = (lambda r: mx.addmm(bias, r, wt)) if bias is not None else (lambda r: r @ wt)
-    if M <= max_rows:
-        y = one(x2) if M == 1 else mx.concatenate([one(x2[i : i + 1]) for i in range(M)], axis=0)
+    if _per_sequence_rows(x) <= max_rows:
+        y = concat([one(x2[i : i + 1]) for i in range(x2.shape[0])], axis=0)
     else:
         y = one(x2)
     return y.reshape(*x.shape[:-1], weight.shape[0])
-
-
-def _tokens(x: mx.array) -> int:
-    """Token rows of a [B, L, ...] activation."""
-    return x.shape[0] * x.shape[1]
 
 
 def _per_token(call, x: mx.array, *args, **kwargs):
@@ -127,13 +97,18 @@ def _per_token(call, x: mx.array, *args, **kwargs):
         kwargs["mask"] = None
     elif args:
         args = (None,) + args[1:]
-    live = _live(x)
-    return _joined([call(x[:, i : i + 1], *args, **kwargs) for i in range(live or x.shape[1])], x.shape[1], live)
+    live_n = live(x)
+    out = concat([call(x[:, i : i + 1], *args, **kwargs) for i in range(live_n or x.shape[1])], axis=1)
+    return padded(out, x.shape[1]) if live_n else out
 
 
-def _sliced_args(args: tuple, i: int) -> tuple:
-    """Per-token arguments of a [B, L, ...] call (arrays with an L axis are sliced, others passed)."""
-    return tuple(a[:, i : i + 1] if isinstance(a, mx.array) and a.ndim >= 2 else a for a in args)
+def _sliced_args(args: tuple, b: int, i: int) -> tuple:
+    """The arguments of sequence b's token i in a [B, L, ...] call (arrays with an L axis are sliced)."""
+    return tuple(a[b : b + 1, i : i + 1] if isinstance(a, mx.array) and a.ndim >= 2 else a for a in args)
+
+
+def _one_row(x: mx.array) -> bool:
+    return x.shape[0] == 1 and x.shape[1] == 1
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -184,13 +159,15 @@ class _QSwitchLinear(QuantizedSwitchLinear):
         topk = indices.shape[-1]
         tokens = indices.size // topk
         rows = x.size // x.shape[-1]
-        if not _active.get() or sorted_indices or tokens > self._bi_rows or rows not in (tokens, indices.size):
+        per_seq = indices.shape[-2] if indices.ndim >= 2 else tokens
+        if not active.get() or sorted_indices or per_seq > self._bi_rows or rows not in (tokens, indices.size):
             return super().__call__(x, indices, sorted_indices)
-        xdiv = topk if rows == tokens else 1
-        y = kernels.get("gather_qmm")(
-            _rows_2d(x), self["weight"], self["scales"], self["biases"], indices.reshape(-1),
-            self.group_size, self.bits, xdiv, tokens,
-        )
+        xdiv = topk if rows == tokens else 1  # one x row per token, or one per (token, expert) pair
+        x2, idx, gather = _rows_2d(x), indices.reshape(-1), kernels.get("gather_qmm")
+        y = concat([  # launches of at most MAX_ROWS tokens: each pair the bits of its 1-token launch
+            gather(x2[a * topk // xdiv : b * topk // xdiv], self["weight"], self["scales"], self["biases"],
+                   idx[a * topk : b * topk], self.group_size, self.bits, xdiv, b - a)
+            for a, b in chunks(tokens)], axis=0)
         if "bias" in self:
             y = y + self["bias"][indices.reshape(-1)]
         return y.reshape(*indices.shape, 1, y.shape[-1])
@@ -202,18 +179,18 @@ class _SwitchGLU(SwitchGLU):
     _mlx_engine_batch_invariant = True
 
     def __call__(self, x, indices):
-        tokens = indices.size // indices.shape[-1]
-        if not _active.get() or tokens > self._bi_rows:
+        per_seq = x.shape[1] if x.ndim >= 3 else indices.size // indices.shape[-1]
+        if not active.get() or per_seq > self._bi_rows:
             return super().__call__(x, indices)
-        live = _live(x)
-        if live:  # pad rows of a fixed-row pass: route none of them (no expert read for them)
-            return _padded(self(x[:, :live], indices[:, :live]), x.shape[1])
+        live_n = live(x)
+        if live_n:  # pad rows of a fixed-row pass: route none of them (no expert read for them)
+            return padded(self(x[:, :live_n], indices[:, :live_n]), x.shape[1])
         projs = (self.gate_proj, self.up_proj, self.down_proj)
-        if not all(isinstance(p, _QSwitchLinear) for p in projs):
-            if x.ndim < 3 or x.shape[1] == 1:
+        if not all(isinstance(p, _QSwitchLinear) for p in projs):  # one (sequence, token) row at a time
+            if x.ndim < 3 or _one_row(x):
                 return super().__call__(x, indices)
-            outs = [super(_SwitchGLU, self).__call__(x[:, i : i + 1], indices[:, i : i + 1]) for i in range(x.shape[1])]
-            return mx.concatenate(outs, axis=1)
+            return each_row(lambda b, i: super(_SwitchGLU, self).__call__(x[b : b + 1, i : i + 1],
+                                                                         indices[b : b + 1, i : i + 1]), x)
         x = mx.expand_dims(x, (-2, -3))
         up = self.up_proj(x, indices)
         gate = self.gate_proj(x, indices)
@@ -226,7 +203,7 @@ def _per_token_class(cls: type) -> type:
     def __call__(self, x, *args, **kwargs):
         # the mask of a verify pass is causal over the cache (string or array): one token at a time
         # with mask None is exactly what single-token decode runs
-        if not _active.get() or x.ndim < 3 or x.shape[1] == 1 or _tokens(x) > self._bi_rows:
+        if not covered(x, self._bi_rows) or x.shape[1] == 1:
             return cls.__call__(self, x, *args, **kwargs)
         return _per_token(lambda xi, *a, **kw: cls.__call__(self, xi, *a, **kw), x, *args, **kwargs)
 
@@ -237,11 +214,10 @@ def _gate_per_token_class(cls: type) -> type:
     """Raw-weight MoE gates ([B, L, H] -> per-token routing): one token at a time."""
 
     def __call__(self, x, *args, **kwargs):
-        if not _active.get() or x.ndim < 3 or x.shape[1] == 1 or _tokens(x) > self._bi_rows:
+        if not covered(x, self._bi_rows) or _one_row(x):
             return cls.__call__(self, x, *args, **kwargs)
-        live = _live(x)
-        outs = [cls.__call__(self, x[:, i : i + 1], *_sliced_args(args, i), **kwargs) for i in range(live or x.shape[1])]
-        return _joined(outs, x.shape[1], live)
+        return each_row(lambda b, i: cls.__call__(self, x[b : b + 1, i : i + 1], *_sliced_args(args, b, i), **kwargs),
+                        x, live(x))
 
     return type(cls.__name__, (cls,), {"__call__": __call__, "_mlx_engine_batch_invariant": True})
 
@@ -250,9 +226,9 @@ def _mla_class(cls: type) -> type:
     """DeepSeek-V3's MLA attention: decode and verify passes in the absorbed form (target/mla.py)."""
 
     def __call__(self, x, mask=None, cache=None):
-        if not _active.get() or x.ndim < 3 or _tokens(x) > self._bi_rows:
+        if not covered(x, self._bi_rows):
             return cls.__call__(self, x, mask, cache)
-        return invariant_mla_call(self, x, cache, self._bi_split, _live(x))
+        return invariant_mla_call(self, x, cache, self._bi_split, live(x))
 
     return type(cls.__name__, (cls,), {"__call__": __call__, "_mlx_engine_batch_invariant": True})
 
@@ -296,59 +272,17 @@ def _swap_generated(module: nn.Module, make, tag: str, max_rows: int) -> None:
     object.__setattr__(module, "_bi_rows", max_rows)
 
 
-def _row_attention(original, q, k, v, cache, scale: float, causal: bool, live: int | None) -> mx.array:
-    """Without a GPU attention kernel: each real query row alone, over exactly the keys it sees, through
-    MLX's own attention: the call of the decode step at that position, so equal to it by construction
-    (and much cheaper on a CPU than the tree-sum reference). Pad rows of a fixed-row pass are zeros."""
-    L, N = q.shape[2], k.shape[2]
-    outs = []
-    for i in range(live or L):
-        n = N - L + i + 1 if causal else N
-        outs.append(original(q[:, :, i : i + 1], k[:, :, :n], v[:, :, :n], cache=cache, scale=scale, mask=None))
-    out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=2)
-    return mx.pad(out, [(0, 0), (0, 0), (0, L - live), (0, 0)]) if live else out
-
-
-def _wrap_attention_module(modname: str) -> None:
-    mod = sys.modules.get(modname)
-    if mod is None:
-        return
-    original = getattr(mod, "scaled_dot_product_attention", None)
-    if original is None or getattr(original, "_mlx_engine_batch_invariant", False):
-        return
-
-    def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None, **kw):
-        plain = hasattr(cache, "bits") or kw or sinks is not None or queries.shape[2] > MAX_ROWS
-        if _active.get() and not plain:
-            live = _live(queries, axis=2)
-            causal = mask == "causal" or queries.shape[2] == 1  # one query, no mask: the causal case too
-            if (mask is None or mask == "causal") and kernels.backend("batch_attention") == "reference":
-                return _row_attention(original, queries, keys, values, cache, scale, causal, live)
-            if (mask is None or mask == "causal") and attention_supported(queries, keys, values):
-                # one compiled kernel for decode and verify
-                return kernels.get("batch_attention")(queries, keys, values, scale, causal, live=live)
-            return invariant_attention(queries, keys, values, scale, mask == "causal",
-                                       mask=None if isinstance(mask, str) else mask, live=live)
-        if sinks is not None:
-            kw["sinks"] = sinks
-        return original(queries, keys, values, cache=cache, scale=scale, mask=mask, **kw)
-
-    scaled_dot_product_attention._mlx_engine_batch_invariant = True
-    scaled_dot_product_attention.original = original
-    mod.scaled_dot_product_attention = scaled_dot_product_attention
-
-
 def _install_switch(model: nn.Module) -> None:
     cls = type(model)
     if getattr(cls, "_mlx_engine_bi_switch", False):
         return
 
     def __call__(self, *args, **kwargs):
-        token = _active.set(True)
+        token = active.set(True)
         try:
             return cls.__call__(self, *args, **kwargs)
         finally:
-            _active.reset(token)
+            active.reset(token)
 
     model.__class__ = type(cls.__name__, (cls,), {"__call__": __call__, "_mlx_engine_bi_switch": True})
 
@@ -386,7 +320,7 @@ def make_batch_invariant(model: nn.Module, max_rows: int = MAX_ROWS, linear: boo
             _swap(m, nn.Embedding, _Embedding, max_rows)
     for name in modules:
         if name.startswith("mlx_lm.models."):
-            _wrap_attention_module(name)
+            wrap_attention_module(name)
     _install_switch(model)
     return model
 
@@ -395,3 +329,12 @@ def is_batch_invariant(model: nn.Module) -> bool:
     """Patched here, or for fixed-row passes (target/fixed_rows.py, which may patch nothing here)."""
     cls = type(model)
     return bool(getattr(cls, "_mlx_engine_bi_switch", False) or getattr(cls, "_mlx_engine_fixed_rows", False))
+
+
+def several_sequences_unsupported(model: nn.Module) -> str | None:
+    """Why the patched model's invariant passes cannot hold several sequences (the batch engine), or None:
+    attention run one token at a time keeps the whole batch per token and cannot split a BatchKVCache."""
+    for name, m in model.named_modules():
+        if getattr(type(m), "_mlx_engine_batch_invariant", False) and _is_mla_attention(m) and not is_deepseek_mla(m):
+            return f"{type(m).__name__} ({name}) runs one token at a time, one sequence only"
+    return None

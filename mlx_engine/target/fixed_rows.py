@@ -48,7 +48,8 @@ import mlx.nn as nn
 from mlx_lm.models.cache import KVCache
 
 from .. import host, kernels
-from .batch_invariant import is_batch_invariant, live_rows, make_batch_invariant
+from .batch_invariant import (MAX_ROWS, is_batch_invariant, live_rows, make_batch_invariant,
+                              several_sequences_unsupported)
 from .cache import make_cache
 
 DEFAULT_ROWS = 16  # the verify passes of k <= 15 drafts; MLX's 16-row qmm costs its 1-row qmv (above)
@@ -151,12 +152,27 @@ def fixed_rows_plan(model: nn.Module) -> str | None:
 
 def make_invariant(model: nn.Module, mode) -> int | None:
     """Apply a batch-invariance mode: False / None / "off" (leave as is), True / "kernels"
-    (make_batch_invariant), "fixed" (make_fixed_rows, plan "auto"). Returns the model's fixed row
-    count (also when it was patched before), or None."""
+    (make_batch_invariant), "fixed" (make_fixed_rows, plan "auto"). Returns the most tokens a pass may
+    hold and stay invariant (k + 1 <= it; also when the model was patched before): its fixed row count,
+    the kernels' MAX_ROWS, or None when the model is not batch invariant."""
     if mode in (True, "kernels"):
         make_batch_invariant(model)
     elif mode == "fixed":
         make_fixed_rows(model)
     elif mode not in (None, False, "off"):
         raise ValueError(f"batch-invariant mode must be off, kernels or fixed, not {mode!r}")
-    return fixed_rows(model)
+    rows = fixed_rows(model)
+    return rows if rows is not None else (MAX_ROWS if is_batch_invariant(model) else None)
+
+
+def make_invariant_batches(model: nn.Module, mode) -> tuple[int | None, str | None]:
+    """make_invariant for passes of several sequences (the batch engine): True / "kernels" patch the model
+    (make_batch_invariant covers any number of sequences of up to MAX_ROWS tokens); "fixed" is refused
+    (a fixed-row pass pads one sequence). Returns (make_invariant's row bound, why the model cannot run
+    invariant passes of several sequences, or None)."""
+    if mode == "fixed" or (fixed_rows(model) is not None and mode not in (None, False, "off")):
+        raise ValueError("fixed-row passes pad one sequence at a time; batched decoding runs the 'kernels' mode")
+    if fixed_rows(model) is not None:  # patched for one sequence at a time: several run stock
+        return None, None
+    rows = make_invariant(model, mode)
+    return rows, several_sequences_unsupported(model) if rows else None

@@ -23,9 +23,9 @@ from __future__ import annotations
 import mlx.core as mx
 from mlx_lm.models.deepseek_v3 import DeepseekV3Attention
 
-from .. import kernels
-from ..kernels.batch_attention import attention_reference
-from ..kernels.batch_attention import supported as attention_supported
+from .batch_cache import BatchKVCache
+from .invariant_attention import causal_attention, per_sequence
+from .invariant_rows import concat
 
 
 def is_deepseek_mla(module) -> bool:
@@ -33,17 +33,19 @@ def is_deepseek_mla(module) -> bool:
 
 
 def _by_rows(fn, t: mx.array, split: bool) -> mx.array:
-    """fn over t [B, H, L, d]: one call per row (each the 1-row call of a decode step) when split."""
-    L = t.shape[2]
-    if not split or L == 1:
+    """fn over t [B, H, L, d]: one call per (sequence, token) row (each the 1-row call of a decode step)
+    when split."""
+    B, L = t.shape[0], t.shape[2]
+    if not split or B * L == 1:
         return fn(t)
-    return mx.concatenate([fn(t[:, :, i : i + 1]) for i in range(L)], axis=2)
+    return concat([concat([fn(t[b : b + 1, :, i : i + 1]) for i in range(L)], axis=2) for b in range(B)], axis=0)
 
 
-def _attention(q, latent, q_pe, k_pe, scale: float, live):
-    if attention_supported(q, latent, latent, q_pe):
-        return kernels.get("batch_attention")(q, latent, latent, scale, True, q_pe, k_pe, live=live)
-    return attention_reference(q, latent, latent, scale, True, q_pe, k_pe, live=live)
+def _attention(q, latent, q_pe, k_pe, scale: float, cache, live):
+    if isinstance(cache, BatchKVCache):  # several sequences, each over its own latent entries
+        return per_sequence(lambda q, k, v, qp, kp: causal_attention(None, q, k, v, scale, True, qp, kp),
+                            q, latent, latent, cache.lens, q_pe, k_pe)
+    return causal_attention(None, q, latent, latent, scale, True, q_pe, k_pe, live)
 
 
 def invariant_mla_call(self, x: mx.array, cache, split_rows: bool, live: int | None) -> mx.array:
@@ -66,6 +68,6 @@ def invariant_mla_call(self, x: mx.array, cache, split_rows: bool, live: int | N
     if cache is not None:
         latent, k_pe = cache.update_and_fetch(latent, k_pe)
     q_abs = _by_rows(self.embed_q, q_nope, split_rows)
-    o = _attention(q_abs, latent, q_pe, k_pe, self.scale, live)
+    o = _attention(q_abs, latent, q_pe, k_pe, self.scale, cache, live)
     out = _by_rows(self.unembed_out, o, split_rows)
     return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))

@@ -1,0 +1,92 @@
+"""Attention in a batch-invariant pass: mlx-lm's `scaled_dot_product_attention`, wrapped.
+
+While a patched model runs (target/batch_invariant.py), a decode or verify pass's attention is computed
+so that each query row gets the bits of its sequence's single-token decode step:
+
+  * causal or unmasked attention over one sequence's cache: kernels "batch_attention" (one pass over
+    the keys per query row, an order fixed by the query's own keys). Where that op has no GPU kernel
+    (the CPU), each real query row runs MLX's own attention alone over exactly its keys: the decode
+    step's own call, so equal to it by construction, and 2-3x cheaper there than the reference.
+  * several sequences over a BatchKVCache (the batch engine; each row its own length, the mask an
+    array): the same, one sequence at a time over its own keys `k[b, :, :lens[b]]` (a view: the cache
+    is not copied), its L queries the last L of them.
+  * other masks: the kernels' reference with the mask.
+
+Quantized KV caches, attention sinks and passes of more than MAX_ROWS queries (prefill) run stock.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import mlx.core as mx
+
+from .. import kernels
+from ..kernels.batch_attention import attention_reference
+from ..kernels.batch_attention import supported as attention_supported
+from .batch_cache import BatchKVCache
+from .invariant_rows import MAX_ROWS, active, concat, live
+
+
+def row_attention(original, q, k, v, scale: float, causal: bool, live_n: int | None) -> mx.array:
+    """Without a GPU attention kernel: each real query row alone, over exactly the keys it sees, through
+    MLX's own attention (`original`): the call of the decode step at that position. Pad rows of a
+    fixed-row pass are zeros."""
+    L, N = q.shape[2], k.shape[2]
+    outs = []
+    for i in range(live_n or L):
+        n = N - L + i + 1 if causal else N
+        outs.append(original(q[:, :, i : i + 1], k[:, :, :n], v[:, :, :n], cache=None, scale=scale, mask=None))
+    out = concat(outs, axis=2)
+    return mx.pad(out, [(0, 0), (0, 0), (0, L - live_n), (0, 0)]) if live_n else out
+
+
+def per_sequence(attend, q, k, v, lens: list[int], qp=None, kp=None) -> mx.array:
+    """attend(q, k, v, qp, kp) for each sequence b alone over its own keys 0..lens[b] - 1 (the cache's
+    entries after this pass: its L queries are the last L of them), joined along the batch axis."""
+    outs = []
+    for b, n in enumerate(lens):
+        one = slice(b, b + 1)
+        outs.append(attend(q[one], k[one, :, :n], v[one, :, :n],
+                           None if qp is None else qp[one], None if kp is None else kp[one, :, :n]))
+    return concat(outs, axis=0)
+
+
+def causal_attention(original, q, k, v, scale: float, causal: bool = True, qp=None, kp=None,
+                     live_n: int | None = None) -> mx.array:
+    """One sequence's invariant attention (causal: its L queries are the last L of the keys)."""
+    if kernels.backend("batch_attention") == "reference" and qp is None and original is not None:
+        return row_attention(original, q, k, v, scale, causal, live_n)
+    if attention_supported(q, k, v, qp):
+        return kernels.get("batch_attention")(q, k, v, scale, causal, qp, kp, live=live_n)
+    return attention_reference(q, k, v, scale, causal, qp, kp, live=live_n)
+
+
+def wrap_attention_module(modname: str) -> None:
+    """Wrap the `scaled_dot_product_attention` an mlx-lm model module calls (once per module)."""
+    mod = sys.modules.get(modname)
+    if mod is None:
+        return
+    original = getattr(mod, "scaled_dot_product_attention", None)
+    if original is None or getattr(original, "_mlx_engine_batch_invariant", False):
+        return
+
+    def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None, **kw):
+        plain = hasattr(cache, "bits") or kw or sinks is not None or queries.shape[2] > MAX_ROWS
+        if active.get() and not plain:
+            if isinstance(cache, BatchKVCache):  # several sequences, each over its own keys
+                return per_sequence(lambda q, k, v, *_: causal_attention(original, q, k, v, scale),
+                                    queries, keys, values, cache.lens)
+            live_n = live(queries, axis=2)
+            causal = mask == "causal" or queries.shape[2] == 1  # one query, no mask: the causal case too
+            if mask is None or mask == "causal":
+                return causal_attention(original, queries, keys, values, scale, causal, live_n=live_n)
+            return attention_reference(queries, keys, values, scale, False,
+                                       mask=None if isinstance(mask, str) else mask, live=live_n)
+        if sinks is not None:
+            kw["sinks"] = sinks
+        return original(queries, keys, values, cache=cache, scale=scale, mask=mask, **kw)
+
+    scaled_dot_product_attention._mlx_engine_batch_invariant = True
+    scaled_dot_product_attention.original = original
+    mod.scaled_dot_product_attention = scaled_dot_product_attention
