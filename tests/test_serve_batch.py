@@ -129,3 +129,27 @@ def test_per_request_num_draft_caps_the_request_s_own_row(server):
     r = httpx.post(server.base + "/v1/completions", json={"model": server.model, "prompt": "Hi", "num_draft": -1},
                    timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"] == "num_draft"
+
+
+def test_batch_invariant_server_gives_each_request_its_alone_tokens_on_any_device():
+    """--batch-invariant: concurrent requests (drafting with the MTP head) each equal, token for token, the
+    request decoded alone with plain steps by the invariant engine. Unlike the test above this rests on
+    the invariant path, not on the device's arithmetic, so it is not CPU-only."""
+    s = RunningServer("--batching", "continuous", "--max-concurrency", "4", "--max-tokens", "64", "--batch-invariant")
+    try:
+        status = httpx.get(s.base + "/health").json()
+        assert status["mode"] == "continuous" and status["batch_invariant"]
+        concurrent = together(lambda q: ask(s, q, n=8), [(q,) for q in QUESTIONS])
+        assert s.service.worker.largest_batch >= 2
+        from mlx_engine.serve.app import encode_chat
+        from mlx_engine.serve.schemas import ChatMessage
+
+        tok, worker = s.service.tokenizer, s.service.worker
+        plain = Engine(worker.engine.target.model, batch_invariant=True)
+        for q, (text, n, _) in zip(QUESTIONS, concurrent):
+            prompt = encode_chat(tok, [ChatMessage(role="user", content=q)])
+            ids = [t for c in plain.generate(prompt, GenerationConfig(max_tokens=8, num_draft=0, stop_tokens=worker.eos))
+                   for t in c.tokens]
+            assert text == text_ops.decode(tok, ids) and n == len(ids)
+    finally:
+        s.close()

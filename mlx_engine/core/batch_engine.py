@@ -15,9 +15,10 @@ Sequences join and leave between steps: `add` prefills a new sequence alone (a p
 cache, with the longest common prefix of a recently finished sequence reused), samples its first token,
 and appends its row; a finished or cancelled sequence's row is dropped at once.
 
-Lossless: a row's logits do not depend on the other rows (its keys sit at the same cache indices as when
-it runs alone, masked-out entries contribute exact zeros), so greedy output equals the same request
-served alone, and sampled rows follow the target's distribution by the usual acceptance rule.
+Lossless: sampled rows follow the target's distribution by the usual acceptance rule. Greedy output
+equals the same request served alone where a row's logits do not depend on the other rows: its keys sit
+at the same cache indices as alone and masked entries add exact zeros, which MLX's CPU kernels keep bit
+for bit; with batch_invariant=True on any device (target/invariant_attention.py, one sequence at a time).
 """
 
 from __future__ import annotations
@@ -33,8 +34,10 @@ from ..drafters.base import Draft, Verdict, hidden_request
 from ..drafters.mtp.batched import BatchedMTP, batchable_mtp
 from ..sampling import SamplingConfig, probabilities, process_logits
 from ..target.batch_cache import BatchKVCache, batchable
+from ..target.fixed_rows import make_invariant_batches
 from ..target.model import Target
 from .batch_policy import BatchPolicy, FixedBatchPolicy
+from .engine import INVARIANT_BY_DEFAULT_ON_GPU, gpu_decoding
 from .verify import accept_greedy, accept_sampled
 
 
@@ -101,14 +104,22 @@ class BatchEngine:
     """Call from one thread (the one that owns MLX): add / cancel / step."""
 
     def __init__(self, model, drafter=None, num_draft: int | str = "auto", max_batch: int = 8, max_draft: int = 8,
-                 prefill_step: int = 2048, keep_prefixes: int = 4, batched_drafting: bool = True):
+                 prefill_step: int = 2048, keep_prefixes: int = 4, batched_drafting: bool = True,
+                 batch_invariant: bool | str | None = None):
+        """batch_invariant: every step's rows batch invariant ("kernels" / True; None: as Engine's default),
+        so each sequence's tokens equal, bit for bit, that request decoded alone by Engine(batch_invariant=True)."""
+        if batch_invariant is None:
+            batch_invariant = bool(INVARIANT_BY_DEFAULT_ON_GPU) and gpu_decoding()
+        rows, why_not = make_invariant_batches(model, batch_invariant)
+        self.batch_invariant = rows is not None
+        self.max_k = rows - 1 if rows else 1 << 30  # the invariance covers passes of k + 1 <= rows tokens
         self.target = Target(model)
         self.drafter = drafter  # the prototype: every sequence drafts with its own copy
         self.want_hidden = hidden_request(drafter)
         # an MTP head drafts for all rows in one pass; any other drafter with a copy per row
         self.batched = BatchedMTP(drafter) if batched_drafting and batchable_mtp(drafter) else None
         self.num_draft = num_draft if drafter is not None else 0
-        self.policy = (BatchPolicy(max_draft, per_row_drafting=self.batched is None) if self.num_draft == "auto"
+        self.policy = (BatchPolicy(min(max_draft, self.max_k), per_row_drafting=self.batched is None) if self.num_draft == "auto"
                        else FixedBatchPolicy(self.num_draft))
         self.max_batch = max_batch
         self.prefill_step = prefill_step
@@ -117,7 +128,7 @@ class BatchEngine:
         self.cache: list[BatchKVCache] = []
         self._pending: list[Output] = []  # first tokens of sequences added since the last step
         self._prefixes: list[tuple[list[int], list, mx.array | None]] = []  # (tokens, per-layer (k, v), hidden)
-        self.supported = batchable(self.target.make_cache())  # None, or why this model cannot batch
+        self.supported = why_not or batchable(self.target.make_cache())  # None, or why this model cannot batch
         if self.supported is None and getattr(drafter, "reads_target_cache", False):
             self.supported = f"the {drafter.name} drafter reads the single-sequence target cache"
         self.steps = 0
@@ -342,7 +353,7 @@ class BatchEngine:
 
     def _cap(self, s: _Seq) -> int:
         """The most row s may draft: its request's ceiling and its drafter's limit."""
-        cap = (1 << 30) if s.max_draft is None else s.max_draft
+        cap = self.max_k if s.max_draft is None else min(s.max_draft, self.max_k)
         limit = s.drafter.max_draft() if s.drafter is not None and cap > 0 else None
         return min(cap, limit) if limit is not None else cap
 

@@ -35,6 +35,12 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batching", choices=BATCHING, default="auto",
                    help="continuous: batch concurrent requests (KV-cache models); fair: one at a time, first come "
                         "first served (any model); auto (default): continuous where the model allows")
+    p.add_argument("--batch-invariant", nargs="?", const="kernels", default=None, choices=("kernels", "fixed", "off"),
+                   metavar="MODE",
+                   help="every decode step batch invariant, so each request's tokens equal, bit for bit, the same "
+                        "request decoded alone (plain or speculative, whatever runs beside it): 'kernels' (the flag "
+                        "alone; continuous batching too), 'fixed' (16-row passes, --batching fair only), 'off' "
+                        "(default; see the chat command's flag and docs/kernels.md)")
 
 
 def context_length(config: dict) -> int:
@@ -64,12 +70,17 @@ def build_service(args):
     except DrafterError as e:
         raise UsageError(str(e)) from None
     common = dict(max_queue=args.max_queue, num_draft=num_draft)
+    invariant = getattr(args, "batch_invariant", None)
+    if invariant == "fixed" and args.batching != "fair":
+        raise UsageError("--batch-invariant fixed pads one sequence per pass: use it with --batching fair, "
+                         "or --batch-invariant kernels with continuous batching")
     worker = None
     if args.batching != "fair":
         from ..core.batch_engine import BatchEngine
         from .batch import BatchWorker
 
-        engine = BatchEngine(loaded.model, drafter, num_draft=num_draft, max_batch=args.max_concurrency)
+        engine = BatchEngine(loaded.model, drafter, num_draft=num_draft, max_batch=args.max_concurrency,
+                             batch_invariant=invariant)
         if engine.supported is None:
             worker = BatchWorker(engine, loaded.tokenizer, drafter.name if drafter is not None else None, **common)
         elif args.batching == "continuous":
@@ -78,7 +89,7 @@ def build_service(args):
             print(f"note: serving one request at a time (fair queue): this model cannot be batched yet "
                   f"({engine.supported})", file=sys.stderr)
     if worker is None:
-        worker = FairQueueWorker(Engine(loaded.model, drafter), loaded.tokenizer, **common)
+        worker = FairQueueWorker(Engine(loaded.model, drafter, batch_invariant=invariant), loaded.tokenizer, **common)
     name = Path(str(loaded.path)).name
     if name.endswith(".gguf"):
         name = name[: -len(".gguf")]

@@ -37,7 +37,9 @@ class WorkerBase:
         self.queue.put(job)
 
     def status(self) -> dict:
-        return {"mode": self.mode, "queued": self.queue.qsize(), "running": self.running, **self.counts}
+        engine = getattr(self, "engine", None)
+        return {"mode": self.mode, "batch_invariant": bool(getattr(engine, "batch_invariant", False)),
+                "queued": self.queue.qsize(), "running": self.running, **self.counts}
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._main, name="mlx-engine", daemon=True)
