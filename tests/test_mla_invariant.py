@@ -87,3 +87,18 @@ def test_the_model_path_through_the_emulated_attention_kernel(monkeypatch, path)
     assert np.array_equal(logits(model, [3]), logits(model, [1] * 3))
     assert {c.get("live") for c in calls} == ({None} if path == "kernels" else {1, 3})  # fixed: real rows told
     np.testing.assert_allclose(logits(model, [3]), logits(stock, [3]), rtol=1e-4, atol=1e-4)
+
+
+def test_without_a_gpu_kernel_mla_rows_are_mlx_lm_s_decode_step_calls():
+    """With the attention op on its reference (no GPU), each absorbed-MLA row runs mlx-lm's own attention
+    call of its decode step (the rope scores as its additive mask, over exactly its keys): an fp32 model
+    then decodes bit for bit as stock mlx-lm does, and its verify rows equal those steps."""
+    from mlx_engine import kernels
+
+    if kernels.backend("batch_attention") != "reference":
+        pytest.skip("a GPU attention kernel is in use")
+    prompt = PROMPT * 2  # 22 tokens: a prefill beyond the contract's 16 rows, stock in both
+    stock, patched = build(), make_batch_invariant(build())
+    singles = passes(patched, [1] * 6, TOKENS, prompt)[0]
+    assert np.array_equal(singles, passes(stock, [1] * 6, TOKENS, prompt)[0])
+    assert np.array_equal(passes(patched, [6], TOKENS, prompt)[0], singles)

@@ -28,15 +28,17 @@ from .batch_cache import BatchKVCache
 from .invariant_rows import MAX_ROWS, active, concat, live
 
 
-def row_attention(original, q, k, v, scale: float, causal: bool, live_n: int | None) -> mx.array:
+def row_attention(original, q, k, v, scale: float, causal: bool, live_n: int | None, qp=None, kp=None) -> mx.array:
     """Without a GPU attention kernel: each real query row alone, over exactly the keys it sees, through
-    MLX's own attention (`original`): the call of the decode step at that position. Pad rows of a
-    fixed-row pass are zeros."""
+    MLX's own attention (`original`): the call of the decode step at that position. With qp / kp (MLA's
+    rope part), their scores are that call's additive mask, as mlx-lm's DeepSeek-V3 decode step passes
+    them. Pad rows of a fixed-row pass are zeros."""
     L, N = q.shape[2], k.shape[2]
     outs = []
     for i in range(live_n or L):
         n = N - L + i + 1 if causal else N
-        outs.append(original(q[:, :, i : i + 1], k[:, :, :n], v[:, :, :n], cache=None, scale=scale, mask=None))
+        mask = None if qp is None else (qp[:, :, i : i + 1] * scale) @ kp[:, :, :n].swapaxes(-1, -2)
+        outs.append(original(q[:, :, i : i + 1], k[:, :, :n], v[:, :, :n], cache=None, scale=scale, mask=mask))
     out = concat(outs, axis=2)
     return mx.pad(out, [(0, 0), (0, 0), (0, L - live_n), (0, 0)]) if live_n else out
 
@@ -55,8 +57,8 @@ def per_sequence(attend, q, k, v, lens: list[int], qp=None, kp=None) -> mx.array
 def causal_attention(original, q, k, v, scale: float, causal: bool = True, qp=None, kp=None,
                      live_n: int | None = None) -> mx.array:
     """One sequence's invariant attention (causal: its L queries are the last L of the keys)."""
-    if kernels.backend("batch_attention") == "reference" and qp is None and original is not None:
-        return row_attention(original, q, k, v, scale, causal, live_n)
+    if kernels.backend("batch_attention") == "reference" and original is not None:
+        return row_attention(original, q, k, v, scale, causal, live_n, qp, kp)
     if attention_supported(q, k, v, qp):
         return kernels.get("batch_attention")(q, k, v, scale, causal, qp, kp, live=live_n)
     return attention_reference(q, k, v, scale, causal, qp, kp, live=live_n)
