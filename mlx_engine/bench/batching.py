@@ -63,7 +63,9 @@ def main(argv=None) -> int:
     ap.add_argument("--clients", type=int_list(1), default=[1, 2, 4, 8], help="concurrent clients (default 1,2,4,8)")
     ap.add_argument("--requests", type=count(1), default=2, help="requests per client (default 2)")
     ap.add_argument("--max-tokens", type=count(1), default=64, help="max tokens per request (default 64)")
-    ap.add_argument("--modes", default="off,auto", help="comma-separated: off, auto, or a fixed k (default off,auto)")
+    ap.add_argument("--modes", default="off,auto",
+                    help="comma-separated: off, auto, or a fixed k, each optionally with ':inv' (batch-invariant "
+                         "decoding, on a second copy of the model) (default off,auto)")
     ap.add_argument("--max-seconds", type=count(1), default=300, help="bound per cell (default 300)")
     ap.add_argument("--suite", default="chat", help="prompt suite in bench/prompts (default chat)")
     ap.add_argument("--repeats", type=count(1), default=1, help="rounds over all cells (default 1)")
@@ -75,16 +77,25 @@ def main(argv=None) -> int:
     from ..models import load
     from .suite import load_prompts
 
+    modes = args.modes.split(",")
+    for mode in modes:
+        k, _, inv = mode.partition(":")
+        if not (k in ("off", "auto") or k.isdigit()) or inv not in ("", "inv"):
+            ap.error(f"--modes: {mode!r} is not off, auto or a k >= 0, optionally with ':inv'")
     loaded = load(args.model)
     prompts = load_prompts(args.suite, 16, loaded.tokenizer)
     stop = frozenset(getattr(loaded.tokenizer, "eos_token_ids", None) or ())
-    drafter = make_drafter(args.drafter, loaded)
-    modes = args.modes.split(",")
+    copies = {"": (loaded, make_drafter(args.drafter, loaded))}  # the patch is in place: a copy for ':inv'
     engines = {}
     for mode in modes:
-        nd = 0 if mode == "off" else ("auto" if mode == "auto" else int(mode))
-        engines[mode] = BatchEngine(loaded.model, None if mode == "off" else drafter, num_draft=nd,
-                                    max_batch=max(args.clients))
+        k, _, inv = mode.partition(":")
+        if inv not in copies:
+            again = load(args.model)
+            copies[inv] = (again, make_drafter(args.drafter, again))
+        model, drafter = copies[inv][0].model, copies[inv][1]
+        nd = 0 if k == "off" else ("auto" if k == "auto" else int(k))
+        engines[mode] = BatchEngine(model, None if k == "off" else drafter, num_draft=nd,
+                                    max_batch=max(args.clients), batch_invariant=bool(inv))
         if engines[mode].supported is not None:
             print(f"error: {engines[mode].supported}", file=sys.stderr)
             return 2
@@ -103,7 +114,7 @@ def main(argv=None) -> int:
                 results.append(r)
                 print(json.dumps(r), flush=True)
     for mode in modes:
-        if mode == "auto":
+        if mode.partition(":")[0] == "auto":
             print(json.dumps({"mode": mode, "policy": engines[mode].policy.report()}), flush=True)
     print("\nclients  " + "  ".join(f"{m:>16}" for m in modes) + "   (aggregate tok/s: total tokens / total seconds)")
     for c in args.clients:
