@@ -153,3 +153,18 @@ def test_batch_invariant_server_gives_each_request_its_alone_tokens_on_any_devic
             assert text == text_ops.decode(tok, ids) and n == len(ids)
     finally:
         s.close()
+
+
+def test_fixed_row_invariance_is_refused_with_continuous_batching_before_loading(monkeypatch):
+    import argparse
+
+    import mlx_engine.models as models
+    from mlx_engine.cli import UsageError
+    from mlx_engine.serve.main import add_serve_args, build_service
+
+    monkeypatch.setattr(models, "load", lambda *a, **kw: pytest.fail("loaded before the flags were checked"))
+    p = argparse.ArgumentParser()
+    add_serve_args(p)
+    for flags in (["--batch-invariant", "fixed"], ["--batch-invariant", "fixed", "--batching", "continuous"]):
+        with pytest.raises(UsageError, match="--batching fair"):
+            build_service(p.parse_args(flags))

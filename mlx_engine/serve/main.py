@@ -60,6 +60,10 @@ def build_service(args):
     from .worker import FairQueueWorker
 
     num_draft = parse_num_draft(args.num_draft)
+    invariant = getattr(args, "batch_invariant", None)
+    if invariant == "fixed" and args.batching != "fair":
+        raise UsageError("--batch-invariant fixed pads one sequence per pass: use it with --batching fair, "
+                         "or --batch-invariant kernels with continuous batching")
     loaded = load(args.model)
     kind = args.drafter or ("mtp" if args.model is None else "none")
     opts = DrafterOptions(draft_model=args.draft_model, draft_vocab_subset=args.draft_vocab_subset,
@@ -70,10 +74,6 @@ def build_service(args):
     except DrafterError as e:
         raise UsageError(str(e)) from None
     common = dict(max_queue=args.max_queue, num_draft=num_draft)
-    invariant = getattr(args, "batch_invariant", None)
-    if invariant == "fixed" and args.batching != "fair":
-        raise UsageError("--batch-invariant fixed pads one sequence per pass: use it with --batching fair, "
-                         "or --batch-invariant kernels with continuous batching")
     worker = None
     if args.batching != "fair":
         from ..core.batch_engine import BatchEngine
