@@ -4,9 +4,12 @@
 //
 // inputs:  q [B, Hq, L, D], k [B, Hk, Nk, D], v [B, Hk, Nk, DV] (T, any strides: cache views),
 //          qp [B, Hq, L, DP], kp [B, Hk, Nk, DP] (extra score term, MLA's rope part; unused if DP = 0),
-//          scale [1] float32, live [1] int32 (queries i >= live pad a fixed-row pass: zero rows, no key read)
+//          scale [1] float32, live [1] int32 (queries i >= live pad a fixed-row pass: zero rows, no key read),
+//          lens [B] int32 (the keys of sequence b: its first lens[b] of Nk, a batch cache row's length;
+//          0 = all Nk)
 // outputs: o [B, Hq, L, DV] (T)
-// template: T, D, DV, DP (multiples of 32; DP may be 0), CAUSAL (query i sees keys 0..Nk-L+i),
+// template: T, D, DV, DP (multiples of 32; DP may be 0), CAUSAL (query i of sequence b sees keys
+//           0..n_b-L+i, n_b its key count),
 //           SG (SIMD groups per threadgroup), KB (keys per SIMD group and iteration)
 // launch:  grid (32*SG, L, B*Hq), threadgroup (32*SG, 1, 1): one threadgroup per (batch, head, query).
 //
@@ -25,10 +28,10 @@ constexpr int PPL = DP > 0 ? DP / 32 : 1;
 const int L = int(q_shape[2]);
 const int Hq = int(q_shape[1]);
 const int Hk = int(k_shape[1]);
-const int Nk = int(k_shape[2]);
 const int i = int(threadgroup_position_in_grid.y);
 const int bh = int(threadgroup_position_in_grid.z);
 const int b = bh / Hq;
+const int Nk = lens[b] > 0 ? lens[b] : int(k_shape[2]);  // sequence b's keys (0: all of k)
 const int h = bh % Hq;
 const int hk = h / (Hq / Hk);
 const int lane = int(thread_index_in_simdgroup);

@@ -142,9 +142,17 @@ def test_attention_run_one_token_at_a_time_keeps_the_batch_engine_off():
         engine.add(0, PROMPTS[0], 4)
 
 
-def test_through_the_emulated_attention_kernel(monkeypatch, mixing):
-    """Head dims the kernel takes, its Metal body on the CPU emulator in the registry's place: each
-    sequence runs the kernel over its own keys (views of the batch cache), rows equal single steps."""
+KERNEL_DIMS = {  # head dims the kernel takes (multiples of 32)
+    "llama": dict(DIMS, num_attention_heads=2, num_key_value_heads=1),
+    "deepseek_v3": dict(DIMS, num_attention_heads=2, num_key_value_heads=2, kv_lora_rank=32, qk_rope_head_dim=32,
+                        qk_nope_head_dim=32, v_head_dim=32, q_lora_rank=None),  # MLA: the rope term too
+}
+
+
+@pytest.mark.parametrize("family", KERNEL_DIMS)
+def test_through_the_emulated_attention_kernel(monkeypatch, mixing, family):
+    """Head dims the kernel takes, its Metal body on the CPU emulator in the registry's place: one launch
+    per layer over the batch cache, told each sequence's key count; rows equal single steps."""
     from metal_emu_util import emu_kernel, emulated
     from metal_kernels.emu import compiler_available
 
@@ -156,9 +164,9 @@ def test_through_the_emulated_attention_kernel(monkeypatch, mixing):
     monkeypatch.setitem(kernels._resolved, "batch_attention", ("metal", emulated(emu_kernel(A), A.launch_spec)))
     calls = []
     real = kernels._resolved["batch_attention"][1]
-    monkeypatch.setitem(kernels._resolved, "batch_attention", ("metal", lambda *a, **kw: calls.append(a[1].shape) or real(*a, **kw)))
-    model = make_batch_invariant(build("llama", 0, **dict(DIMS, num_attention_heads=2, num_key_value_heads=1)))
+    monkeypatch.setitem(kernels._resolved, "batch_attention", ("metal", lambda *a, **kw: calls.append(kw.get("lens")) or real(*a, **kw)))
+    model = make_batch_invariant(build(family, 0, **KERNEL_DIMS[family]))
     got = batch_passes(model, PROMPTS, TOKENS, [3])
     for b, (p, t) in enumerate(zip(PROMPTS, TOKENS)):
         assert np.array_equal(got[b], singles(model, p, t[:3])), f"sequence {b}"
-    assert {s[2] for s in calls} >= {len(p) + 3 for p in PROMPTS}  # each sequence over its own keys
+    assert [len(p) + 3 for p in PROMPTS] in calls  # the batch pass: each sequence over its own keys

@@ -118,6 +118,34 @@ def test_pad_queries_of_a_fixed_row_pass_are_zero_and_change_no_real_row(kernels
     assert (np.array(ref[:, :, LIVE:]) == 0).all()
 
 
+LENS = [40, 17, 29]  # key counts of the 3 sequences of the batch test (a batch cache's row lengths)
+
+
+@pytest.mark.parametrize("dialect", DIALECTS)
+@pytest.mark.parametrize("dp", [0, 32])
+def test_sequences_of_a_batch_each_see_only_their_own_keys(kernels, dialect, dp):
+    """lens = 40, 17, 29 over a 40-key batch cache: each sequence's rows are bit for bit its launch alone
+    over its own keys, and nothing past them is read (NaN there would show)."""
+    case = dict(B=3, Hq=4, Hk=2, L=3, N=40, D=64, DP=dp)
+    q, kk, vv, scale, causal, qp, kp = views(A.make_case(**case, seed=11))
+    for b, n in enumerate(LENS):
+        for t in (kk, vv) + ((kp,) if kp is not None else ()):
+            t[b, :, n:] = np.nan
+    out = launch(kernels[dialect], (q, kk, vv, scale, causal, qp, kp), lens=LENS)
+    assert not np.isnan(out).any()
+    for b, n in enumerate(LENS):
+        one = (q[b : b + 1], kk[b : b + 1, :, :n], vv[b : b + 1, :, :n], scale, causal,
+               None if qp is None else qp[b : b + 1], None if kp is None else kp[b : b + 1, :, :n])
+        np.testing.assert_array_equal(out[b : b + 1], launch(kernels[dialect], one), err_msg=f"sequence {b}")
+    ref = A.attention_reference(q, mx.array(kk), mx.array(vv), scale, causal, qp, None if kp is None else mx.array(kp),
+                                lens=LENS)
+    np.testing.assert_allclose(out, np.array(ref), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError):
+        A.launch_spec(q, mx.array(kk), mx.array(vv), scale, causal, lens=LENS[:2])  # a count per sequence
+    with pytest.raises(ValueError):
+        A.launch_spec(q, mx.array(kk), mx.array(vv), scale, causal, lens=[40, 2, 29])  # 3 causal queries over 2 keys
+
+
 def test_metal_and_cuda_twins_compute_the_same_bits(kernels):
     args = views(A.make_case(**CASES["mla"], seed=7))
     np.testing.assert_array_equal(launch(kernels["metal"], args), launch(kernels["cuda"], args))

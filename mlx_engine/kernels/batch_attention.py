@@ -9,6 +9,9 @@ last L positions); else every query sees all Nk keys. Output o [B, Hq, L, DV] in
 live (optional, <= L): only the first `live` queries are real, the rest pad a fixed-row pass
 (target/fixed_rows.py): their rows are zeros and no key is read for them; a real query sees the same
 keys as without `live` (causal: its position counts all L rows), so live changes no bit of its row.
+lens (optional, B ints): sequence b has only the first lens[b] of the Nk keys (the rows of a batch cache,
+target/batch_cache.py); its queries are the last L of those. Every row is then what a launch of that
+sequence alone over k[b, :, :lens[b]] gives: one launch serves a batch of sequences of any lengths.
 
 Why: stock attention splits the keys of a query over threads in a way that depends on the number of
 queries and keys in the launch, so verify rows differ in the last bits from single-token decode.
@@ -31,7 +34,7 @@ import mlx.core as mx
 from . import Launch, Op, build_kernel, cached_constant, differs_from_reference
 
 NAME = "batch_attention"
-INPUT_NAMES = ("q", "k", "v", "qp", "kp", "scale", "live")
+INPUT_NAMES = ("q", "k", "v", "qp", "kp", "scale", "live", "lens")
 OUTPUT_NAMES = ("out",)
 CONTIGUOUS = False  # k and v are KV-cache views: read through their strides, never copied
 KEYS_PER_ITER = 8  # keys a SIMD group scores at once (independent butterflies in flight; changes no bit)
@@ -73,13 +76,20 @@ def _expand_heads(t: mx.array, hq: int) -> mx.array:
     return t if t.shape[1] == hq else mx.repeat(t, hq // t.shape[1], axis=1)
 
 
-def attention_reference(q, k, v, scale: float, causal: bool = True, qp=None, kp=None, mask=None, live=None) -> mx.array:
+def attention_reference(q, k, v, scale: float, causal: bool = True, qp=None, kp=None, mask=None, live=None,
+                        lens=None) -> mx.array:
     """The batch-invariant attention of the module docstring in elementwise MLX ops.
 
     mask (optional, instead of `causal`): bool [.., L, Nk] (True = attend), additive float, or the
-    strings mlx-lm passes ("causal"; None = every key). live: see the module docstring."""
+    strings mlx-lm passes ("causal"; None = every key). live, lens: see the module docstring."""
     if isinstance(mask, str):
         causal, mask = mask == "causal", None
+    if lens is not None:  # each sequence alone over its own keys (padding is exact, so this is the definition)
+        one = lambda t, b, n=None: None if t is None else t[b : b + 1, :, :n]  # noqa: E731
+        return mx.concatenate([
+            attention_reference(q[b : b + 1], k[b : b + 1, :, :n], v[b : b + 1, :, :n], scale, causal, one(qp, b),
+                                one(kp, b, n), None if mask is None else mask[b : b + 1, ..., :n], live)
+            for b, n in enumerate(_key_counts(lens, k.shape[2]))], axis=0)
     if live is not None and live < q.shape[2]:
         return _live_rows(attention_reference, q, k, v, scale, causal, qp, kp, mask, live)
     B, Hq, L, D = q.shape
@@ -119,6 +129,10 @@ def _live_rows(fn, q, k, v, scale, causal, qp, kp, mask, live: int) -> mx.array:
     return mx.pad(out, [(0, 0), (0, 0), (0, L - live), (0, 0)])
 
 
+def _key_counts(lens, nk: int) -> list[int]:
+    return [int(n) if int(n) > 0 else nk for n in lens]
+
+
 def supported(q: mx.array, k: mx.array, v: mx.array, qp=None) -> bool:
     """Shapes the kernels take: head dims multiples of 32, Hq a multiple of Hk, at most 16 queries."""
     dims = [q.shape[-1], v.shape[-1]] + ([qp.shape[-1]] if qp is not None else [])
@@ -133,6 +147,7 @@ def supported(q: mx.array, k: mx.array, v: mx.array, qp=None) -> bool:
 
 def launch_spec(
     q, k, v, scale: float, causal: bool = True, qp=None, kp=None, warps=None, keys=KEYS_PER_ITER, live=None,
+    lens=None,
 ) -> Launch:
     if not supported(q, k, v, qp):
         raise ValueError(f"unsupported attention shapes q {q.shape}, k {k.shape}, v {v.shape}")
@@ -140,8 +155,11 @@ def launch_spec(
     live = L if live is None else live
     if not 1 <= live <= L:
         raise ValueError(f"live = {live} real queries of {L}")
-    if causal and L > k.shape[2]:
-        raise ValueError(f"{L} causal queries over {k.shape[2]} keys")
+    if lens is not None and len(lens) != B:
+        raise ValueError(f"{len(lens)} key counts for {B} sequences")
+    for n in _key_counts(lens, k.shape[2]) if lens is not None else [k.shape[2]]:
+        if n > k.shape[2] or (causal and L > n):
+            raise ValueError(f"{L} {'causal ' if causal else ''}queries over {n} of {k.shape[2]} keys")
     DV = v.shape[-1]
     warps = warps or warps_for(DV)
     dp = 0 if qp is None else qp.shape[-1]
@@ -151,6 +169,8 @@ def launch_spec(
         inputs=[
             q, k, v, qp, kp, cached_constant(("attention scale", float(scale)), lambda: mx.array([scale], mx.float32)),
             cached_constant(("attention live", live), lambda: mx.array([live], mx.int32)),  # an input: one compile
+            cached_constant(("attention all keys", B), lambda: mx.zeros((B,), mx.int32)) if lens is None
+            else mx.array(list(lens), mx.int32),
         ],
         template=[
             ("T", q.dtype), ("D", D), ("DV", DV), ("DP", dp), ("CAUSAL", bool(causal)),
@@ -167,18 +187,21 @@ def _kernel(backend: str):
     return build_kernel(NAME, INPUT_NAMES, OUTPUT_NAMES, backend, contiguous=CONTIGUOUS)
 
 
-def _attention_kernel(backend: str, q, k, v, scale: float, causal: bool = True, qp=None, kp=None, mask=None, live=None):
+def _attention_kernel(backend: str, q, k, v, scale: float, causal: bool = True, qp=None, kp=None, mask=None, live=None,
+                      lens=None):
     if mask is not None:
         raise ValueError("the attention kernels take causal or no masks; array masks go to the reference")
-    return _kernel(backend)(**launch_spec(q, k, v, scale, causal, qp, kp, live=live).kwargs())[0]
+    return _kernel(backend)(**launch_spec(q, k, v, scale, causal, qp, kp, live=live, lens=lens).kwargs())[0]
 
 
-def attention_metal(q, k, v, scale: float, causal: bool = True, qp=None, kp=None, mask=None, live=None) -> mx.array:
-    return _attention_kernel("metal", q, k, v, scale, causal, qp, kp, mask, live)
+def attention_metal(q, k, v, scale: float, causal: bool = True, qp=None, kp=None, mask=None, live=None,
+                    lens=None) -> mx.array:
+    return _attention_kernel("metal", q, k, v, scale, causal, qp, kp, mask, live, lens)
 
 
-def attention_cuda(q, k, v, scale: float, causal: bool = True, qp=None, kp=None, mask=None, live=None) -> mx.array:
-    return _attention_kernel("cuda", q, k, v, scale, causal, qp, kp, mask, live)
+def attention_cuda(q, k, v, scale: float, causal: bool = True, qp=None, kp=None, mask=None, live=None,
+                   lens=None) -> mx.array:
+    return _attention_kernel("cuda", q, k, v, scale, causal, qp, kp, mask, live, lens)
 
 
 def make_case(B, Hq, Hk, L, N, D, DV=None, DP=0, seed=0, dtype=mx.float32):

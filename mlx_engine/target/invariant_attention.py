@@ -8,8 +8,8 @@ so that each query row gets the bits of its sequence's single-token decode step:
     (the CPU), each real query row runs MLX's own attention alone over exactly its keys: the decode
     step's own call, so equal to it by construction, and 2-3x cheaper there than the reference.
   * several sequences over a BatchKVCache (the batch engine; each row its own length, the mask an
-    array): the same, one sequence at a time over its own keys `k[b, :, :lens[b]]` (a view: the cache
-    is not copied), its L queries the last L of them.
+    array): each sequence over its own keys `k[b, :, :lens[b]]`, its L queries the last L of them: one
+    kernel launch told the row lengths (`lens`), or on a CPU one sequence and row at a time.
   * other masks: the kernels' reference with the mask.
 
 Quantized KV caches, attention sinks and passes of more than MAX_ROWS queries (prefill) run stock.
@@ -54,6 +54,14 @@ def per_sequence(attend, q, k, v, lens: list[int], qp=None, kp=None) -> mx.array
     return concat(outs, axis=0)
 
 
+def sequences_attention(original, q, k, v, scale: float, lens: list[int], qp=None, kp=None) -> mx.array:
+    """Causal attention of B sequences over a batch cache, sequence b over its first lens[b] keys."""
+    if kernels.backend("batch_attention") != "reference" and attention_supported(q, k, v, qp):
+        return kernels.get("batch_attention")(q, k, v, scale, True, qp, kp, lens=lens)  # one launch
+    return per_sequence(lambda q, k, v, qp, kp: causal_attention(original, q, k, v, scale, True, qp, kp),
+                        q, k, v, lens, qp, kp)
+
+
 def causal_attention(original, q, k, v, scale: float, causal: bool = True, qp=None, kp=None,
                      live_n: int | None = None) -> mx.array:
     """One sequence's invariant attention (causal: its L queries are the last L of the keys)."""
@@ -77,8 +85,7 @@ def wrap_attention_module(modname: str) -> None:
         plain = hasattr(cache, "bits") or kw or sinks is not None or queries.shape[2] > MAX_ROWS
         if active.get() and not plain:
             if isinstance(cache, BatchKVCache):  # several sequences, each over its own keys
-                return per_sequence(lambda q, k, v, *_: causal_attention(original, q, k, v, scale),
-                                    queries, keys, values, cache.lens)
+                return sequences_attention(original, queries, keys, values, scale, cache.lens)
             live_n = live(queries, axis=2)
             causal = mask == "causal" or queries.shape[2] == 1  # one query, no mask: the causal case too
             if mask is None or mask == "causal":

@@ -29,7 +29,7 @@ from mlx_lm.models.base import scaled_dot_product_attention
 from mlx_lm.models.deepseek_v3 import DeepseekV3Attention
 
 from .batch_cache import BatchKVCache
-from .invariant_attention import causal_attention, per_sequence
+from .invariant_attention import causal_attention, sequences_attention
 from .invariant_rows import concat
 
 
@@ -51,8 +51,7 @@ _SDPA = scaled_dot_product_attention  # mlx-lm's, unwrapped: what its decode ste
 
 def _attention(q, latent, q_pe, k_pe, scale: float, cache, live):
     if isinstance(cache, BatchKVCache):  # several sequences, each over its own latent entries
-        return per_sequence(lambda q, k, v, qp, kp: causal_attention(_SDPA, q, k, v, scale, True, qp, kp),
-                            q, latent, latent, cache.lens, q_pe, k_pe)
+        return sequences_attention(_SDPA, q, latent, latent, scale, cache.lens, q_pe, k_pe)
     return causal_attention(_SDPA, q, latent, latent, scale, True, q_pe, k_pe, live)
 
 
