@@ -18,7 +18,7 @@ and appends its row; a finished or cancelled sequence's row is dropped at once.
 Lossless: sampled rows follow the target's distribution by the usual acceptance rule. Greedy output
 equals the same request served alone where a row's logits do not depend on the other rows: its keys sit
 at the same cache indices as alone and masked entries add exact zeros, which MLX's CPU kernels keep bit
-for bit; with batch_invariant=True on any device (target/invariant_attention.py, one sequence at a time).
+for bit; with batch_invariant=True on any device (each sequence over its own keys, target/invariant_attention.py).
 """
 
 from __future__ import annotations
