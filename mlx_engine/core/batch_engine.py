@@ -119,8 +119,8 @@ class BatchEngine:
         # an MTP head drafts for all rows in one pass; any other drafter with a copy per row
         self.batched = BatchedMTP(drafter) if batched_drafting and batchable_mtp(drafter) else None
         self.num_draft = num_draft if drafter is not None else 0
-        self.policy = (BatchPolicy(min(max_draft, self.max_k), per_row_drafting=self.batched is None) if self.num_draft == "auto"
-                       else FixedBatchPolicy(self.num_draft))
+        self.policy = (BatchPolicy(min(max_draft, self.max_k), per_row_drafting=self.batched is None)
+                       if self.num_draft == "auto" else FixedBatchPolicy(self.num_draft))
         self.max_batch = max_batch
         self.prefill_step = prefill_step
         self.keep_prefixes = keep_prefixes

@@ -18,8 +18,9 @@ the attention skips the pad rows. The attention is kernels "batch_attention" wit
 term; where it has no GPU kernel (the CPU), each row is mlx-lm's own decode-step call (the q_pe . k_pe
 scores as its additive mask over exactly the row's keys): equal to stock decoding by construction, and
 5-10x cheaper there than the tree-sum reference (16 heads, r = 512, 512 keys, fp32: 6.2 / 49.5 / 96.8
-ms against 28.3 / 434.7 / 926.2 for 1 / 8 / 16 rows on this 2-core CPU). Other MLA families (glm4_moe_lite, kimi, mistral4, ...) write their
-attention differently and still run one token at a time (batch_invariant.py).
+ms against 28.3 / 434.7 / 926.2 for 1 / 8 / 16 rows on this 2-core CPU). Other MLA families
+(glm4_moe_lite, kimi, mistral4, ...) write their attention differently and still run one token at a time
+(batch_invariant.py).
 """
 
 from __future__ import annotations
