@@ -155,14 +155,21 @@ def test_speculative_greedy_equals_plain_with_drafts_capped_at_rows_minus_one(fa
 
 
 def test_the_gpu_default_can_name_the_fixed_path(monkeypatch):
-    from mlx_engine.core import engine as engine_module
+    """A default of "fixed" gives the engine fixed-row passes and the batch engine the kernels mode (a
+    fixed-row pass pads one sequence); off leaves both stock."""
+    from mlx_engine.core import invariance_default
+    from mlx_engine.core.batch_engine import BatchEngine
 
-    monkeypatch.setattr(engine_module, "gpu_decoding", lambda: True)
-    monkeypatch.setattr(engine_module, "INVARIANT_BY_DEFAULT_ON_GPU", "fixed")
+    monkeypatch.setattr(invariance_default, "gpu_decoding", lambda: True)
+    monkeypatch.setattr(invariance_default, "INVARIANT_BY_DEFAULT_ON_GPU", "fixed")
     assert Engine(build("llama", 0)).max_rows == 16
-    monkeypatch.setattr(engine_module, "INVARIANT_BY_DEFAULT_ON_GPU", False)
+    model = build("llama", 0)
+    batch = BatchEngine(model)
+    assert batch.batch_invariant and batch.max_k == 15 and fixed_rows(model) is None
+    monkeypatch.setattr(invariance_default, "INVARIANT_BY_DEFAULT_ON_GPU", False)
     engine = Engine(build("llama", 0))
     assert engine.max_rows is None and not engine.batch_invariant
+    assert not BatchEngine(build("llama", 0)).batch_invariant
 
 
 def test_a_positional_cache_is_padded_too(monkeypatch):

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import copy
 import time
-from dataclasses import dataclass, field
 
 import mlx.core as mx
 
@@ -36,60 +35,10 @@ from ..sampling import SamplingConfig, probabilities, process_logits
 from ..target.batch_cache import BatchKVCache, batchable
 from ..target.fixed_rows import make_invariant_batches
 from ..target.model import Target
+from . import invariance_default
 from .batch_policy import BatchPolicy, FixedBatchPolicy
-from .engine import INVARIANT_BY_DEFAULT_ON_GPU, gpu_decoding
+from .batch_sequence import Output, RunningSequence
 from .verify import accept_greedy, accept_sampled
-
-
-@dataclass
-class Output:
-    """What a step produced for one sequence: new token ids, and when it ended, why and its figures."""
-
-    seq_id: object
-    tokens: list[int]
-    finished: str | None = None  # "stop" (a stop token) | "length" (max_tokens) | "cancelled"
-    stats: dict | None = None
-
-
-@dataclass
-class _Seq:
-    id: object
-    prompt: list[int]
-    max_tokens: int
-    sampling: SamplingConfig
-    stop_tokens: frozenset[int]
-    key: mx.array
-    drafter: object
-    history: list[int]
-    last: int
-    reused: int = 0
-    max_draft: int | None = None  # the request's own ceiling on its draft length (None: the policy's)
-    evidence: object = None  # the batch policy's per-row state (its own acceptance)
-    generated: int = 1
-    drafted: int = 0
-    accepted: int = 0
-    verifies: int = 0  # steps that drafted (plain steps are not verify passes)
-    verified_tokens: int = 0  # tokens those steps emitted
-    prompt_time: float = 0.0
-    t_decode: float = field(default_factory=time.perf_counter)
-    decode_time: float = 0.0
-    cancelled: bool = False
-
-    def next_key(self) -> mx.array:
-        self.key, k = mx.random.split(self.key)
-        return k
-
-    def stats(self, num_draft) -> dict:
-        d, a, v, g = self.drafted, self.accepted, self.verifies, self.generated
-        return {
-            "num_draft": num_draft, "drafted": d, "accepted": a, "acceptance": a / d if d else 0.0,
-            "verify_passes": v, "tokens_per_verify": self.verified_tokens / v if v else 0.0,
-            "decode_tokens_per_second": (g - 1) / self.decode_time if self.decode_time > 0 else 0.0,
-            "prompt_tokens": len(self.prompt), "completion_tokens": g, "reused_prompt_tokens": self.reused,
-            "prompt_seconds": self.prompt_time, "decode_seconds": self.decode_time,
-            # the names of core/stats.py's SpecStats, for callers that read those
-            "cycles": v, "generated": g, "decode_time": self.decode_time,
-        }
 
 
 def choose_row(logits, context, draft_tokens, draft_probs, cfg: SamplingConfig, key) -> mx.array:
@@ -109,7 +58,7 @@ class BatchEngine:
         """batch_invariant: every step's rows batch invariant ("kernels" / True; None: as Engine's default),
         so each sequence's tokens equal, bit for bit, that request decoded alone by Engine(batch_invariant=True)."""
         if batch_invariant is None:
-            batch_invariant = bool(INVARIANT_BY_DEFAULT_ON_GPU) and gpu_decoding()
+            batch_invariant = invariance_default.default_invariance(several_sequences=True)
         rows, why_not = make_invariant_batches(model, batch_invariant)
         self.batch_invariant = rows is not None
         self.max_k = rows - 1 if rows else 1 << 30  # the invariance covers passes of k + 1 <= rows tokens
@@ -124,7 +73,7 @@ class BatchEngine:
         self.max_batch = max_batch
         self.prefill_step = prefill_step
         self.keep_prefixes = keep_prefixes
-        self.seqs: list[_Seq] = []
+        self.seqs: list[RunningSequence] = []
         self.cache: list[BatchKVCache] = []
         self._pending: list[Output] = []  # first tokens of sequences added since the last step
         self._prefixes: list[tuple[list[int], list, mx.array | None]] = []  # (tokens, per-layer (k, v), hidden)
@@ -202,7 +151,7 @@ class BatchEngine:
         key = mx.random.key(seed)
         logits, cache, hidden, reused = self._prefill(prompt)
         context = mx.array(prompt[-sampling.repetition_context :]) if sampling.penalized else None
-        seq = _Seq(seq_id, list(prompt), max_tokens, sampling, frozenset(stop_tokens), key, None, list(prompt), -1,
+        seq = RunningSequence(seq_id, list(prompt), max_tokens, sampling, frozenset(stop_tokens), key, None, list(prompt), -1,
                    reused=reused, max_draft=None if num_draft in (None, "auto") else int(num_draft),
                    evidence=self.policy.row())
         out = choose_row(logits, context, mx.zeros((0,), mx.int32), None, sampling, seq.next_key())
@@ -351,13 +300,13 @@ class BatchEngine:
         self.steps += 1
         return outputs
 
-    def _cap(self, s: _Seq) -> int:
+    def _cap(self, s: RunningSequence) -> int:
         """The most row s may draft: its request's ceiling and its drafter's limit."""
         cap = self.max_k if s.max_draft is None else min(s.max_draft, self.max_k)
         limit = s.drafter.max_draft() if s.drafter is not None and cap > 0 else None
         return min(cap, limit) if limit is not None else cap
 
-    def _propose(self, s: _Seq, k: int) -> Draft:
+    def _propose(self, s: RunningSequence, k: int) -> Draft:
         d = s.drafter.propose(k, s.sampling, s.next_key())
         n = d.tokens.shape[0]
         if n == k:
@@ -384,7 +333,7 @@ class BatchEngine:
         return out
 
     @staticmethod
-    def _emit(s: _Seq, tokens: list[int]) -> tuple[list[int], str | None]:
+    def _emit(s: RunningSequence, tokens: list[int]) -> tuple[list[int], str | None]:
         tokens = tokens[: s.max_tokens - s.generated]
         reason = None
         for i, t in enumerate(tokens):

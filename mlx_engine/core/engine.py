@@ -27,7 +27,7 @@ from ..target.batch_invariant import is_batch_invariant
 from ..target.fixed_rows import make_invariant
 from ..kernels.acceptance import uniforms_from_key
 from ..drafters.base import Draft, Drafter, HiddenRequest, Verdict, hidden_request
-from . import members
+from . import invariance_default, members
 from .policy import AdaptivePolicy
 from ..sampling import SamplingConfig, probabilities, process_logits
 from .stats import SpecStats
@@ -69,20 +69,6 @@ def _no_draft() -> Draft:
     return Draft(mx.zeros((0,), dtype=mx.int32), None, [])
 
 
-def gpu_decoding() -> bool:
-    """True where decode steps run on a GPU (Metal or CUDA): there stock verify rows are not bit-equal to
-    single-token rows (on the CPU they are for fp32 weights in practice, not by contract)."""
-    return kernels.auto_backend() != "reference"
-
-
-# The batch-invariant path becomes the default decode path on GPUs once it is as fast as stock decoding
-# there. Measured on an H100 (issue 12: Llama-3-8B-shaped, 4-bit, bf16): its 1-token forward takes
-# 11.0 ms against stock's 7.6 (attention and the small projections are slower than MLX's), so plain
-# decoding ran at 76 tok/s against stock's 124 (docs/kernels.md). Until then it is opt-in: Engine(batch_invariant=True
-# or "fixed"), --batch-invariant [fixed]. The fixed-row path is not measured on a GPU yet; "fixed" here would pick it.
-INVARIANT_BY_DEFAULT_ON_GPU = False
-
-
 class Engine:
     def __init__(
         self, model: nn.Module, drafter: Drafter | None = None, max_draft: int | None = None,
@@ -91,9 +77,9 @@ class Engine:
         """max_draft: the longest draft the adaptive policy tries (None: the drafter's own, else 8).
         batch_invariant: decode (plain and verify) batch invariant, so speculative output equals plain output
         bit for bit on any device: True / "kernels" (target/batch_invariant.py), "fixed" (fixed-row passes,
-        target/fixed_rows.py). None: on a GPU when INVARIANT_BY_DEFAULT_ON_GPU (not yet: see there), else off."""
+        target/fixed_rows.py). None: core/invariance_default.py's rule (off, until it pays on a GPU)."""
         if batch_invariant is None:
-            batch_invariant = INVARIANT_BY_DEFAULT_ON_GPU if gpu_decoding() else False  # False, True or "fixed"
+            batch_invariant = invariance_default.default_invariance()
         self.max_rows = make_invariant(model, batch_invariant)  # invariant passes: k + 1 <= max_rows
         self.batch_invariant = is_batch_invariant(model)
         self.target = Target(model)
