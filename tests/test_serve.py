@@ -179,3 +179,19 @@ def test_text_stream_holds_back_a_partial_stop_string():
     assert ts.add([ord("N")]) == ""
     assert ts.add([ord("x")]) == "ENx"  # it did not
     assert ts.add([ord(c) for c in "yEND"]) == "y" and ts.stopped and ts.finish() == ""
+
+
+def test_a_taken_port_is_refused_before_loading(monkeypatch):
+    import argparse
+    import socket
+
+    import mlx_engine.serve.main as serve_main
+    from mlx_engine.cli import UsageError
+
+    monkeypatch.setattr(serve_main, "build_service", lambda args: pytest.fail("loaded before the port was bound"))
+    p = argparse.ArgumentParser()
+    serve_main.add_serve_args(p)
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        with pytest.raises(UsageError, match=f"cannot listen on 127.0.0.1:{port}"):
+            serve_main.run_serve(p.parse_args(["--port", str(port)]))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import socket
 import sys
 from pathlib import Path
 
@@ -101,16 +102,30 @@ def build_service(args):
 def run_serve(args) -> int:
     import uvicorn
 
+    from ..cli import UsageError
     from .app import create_app
 
-    service, kind = build_service(args)
-    service.worker.start()
-    config = uvicorn.Config(create_app(service), host=args.host, port=args.port, log_level="warning")
-    server = uvicorn.Server(config)
-    print(f"serving {service.model_id} on http://{args.host}:{args.port}/v1 (drafter {kind}, num-draft "
-          f"{args.num_draft}, {service.worker.mode}, up to {args.max_concurrency} at once)", file=sys.stderr, flush=True)
+    # bound here, before the load, so a taken port fails at once and --port 0 can say which port it got
     try:
-        server.run()
+        family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
+        sock = socket.create_server((args.host, args.port), family=family)
+    except OSError as e:
+        raise UsageError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from None
+    port = sock.getsockname()[1]
+    try:
+        service, kind = build_service(args)
+    except BaseException:
+        sock.close()
+        raise
+    service.worker.start()
+    config = uvicorn.Config(create_app(service), host=args.host, port=port, log_level="warning")
+    server = uvicorn.Server(config)
+    print(f"serving {service.model_id} on http://{args.host}:{port}/v1 (drafter {kind}, num-draft "
+          f"{args.num_draft}, {service.worker.mode}, up to {args.max_concurrency} at once"
+          f"{', batch invariant' if service.worker.status()['batch_invariant'] else ''})", file=sys.stderr, flush=True)
+    try:
+        server.run(sockets=[sock])
     finally:
         service.worker.stop()
+        sock.close()
     return 0
