@@ -101,6 +101,20 @@ def test_bench_verify_shape_table_times_every_path_and_says_which_are_exact(caps
     assert "--fixed-plans" in capsys.readouterr().err
 
 
+def test_bench_verify_shape_table_times_the_batch_engine_step(capsys):
+    """`--sequences 3`: a second table, 3 sequences x (k+1) tokens over a batch cache, stock and fused."""
+    from mlx_engine.bench.verify import main as verify_main
+
+    args = ["--shape", "smollm2-135m", "--shape-layers", "1", "--prefill", "8", "--trials", "1", "--max-len", "2"]
+    assert verify_main(args + ["--fixed-plans", "kernels", "--sequences", "3"]) == 0
+    out = capsys.readouterr().out.split("3 sequences x (k+1) tokens over a BatchKVCache")
+    assert len(out) == 2
+    rows = [line.split() for line in out[1].splitlines() if line.split()[:1] in (["1"], ["2"])]
+    assert len(rows) == 2 and all(len(r) == 1 + 2 * 2 for r in rows)  # k+1, then stock and fused
+    with pytest.raises(SystemExit):
+        verify_main(args + ["--sequences", "0"])
+
+
 def test_edit_suite_is_well_formed():
     """bench/prompts/edit.jsonl: >= 10 requests to rewrite a given piece of code or text with a small change."""
     from mlx_engine.bench.suite import suite_file

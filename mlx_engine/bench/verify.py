@@ -11,7 +11,8 @@ kernel. Without `--model` it builds a random llama shaped like SmolLM2-135M (hid
 model on the device (4-bit) and prints stock and batch-invariant t(k+1) side by side, all against stock
 t(1): "fused" (make_batch_invariant, the kernels of mlx_engine/kernels) and "fixed:PLAN" (make_fixed_rows:
 every pass 16 token rows; `--fixed-plans` picks the plans, default auto); then each t(1) against stock
-t(1), and whether each path's 8-token verify pass equals 8 single steps bit for bit.
+t(1), and whether each path's 8-token verify pass equals 8 single steps bit for bit. `--sequences B`
+adds the batch engine's step: B sequences x (k+1) tokens over a BatchKVCache, stock and fused.
 """
 
 from __future__ import annotations
@@ -83,6 +84,37 @@ def time_verify_forward(model, prefill: int, max_len: int, trials: int, seed: in
     return out
 
 
+def time_batch_verify(model, sequences: int, prefill: int, max_len: int, trials: int, seed: int = 0) -> dict[int, float]:
+    """{L: median ms of one pass of `sequences` sequences x L tokens over a BatchKVCache}: the batch engine's
+    verify step. Sequence b holds prefill + 7b tokens (rows of different lengths, as in a served batch); the
+    rows are trimmed back after every timed call."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from ..target.batch_cache import BatchKVCache
+
+    vocab = model.args.vocab_size
+    tokens = mx.random.randint(0, vocab, (sequences, prefill + 7 * sequences + max_len), key=mx.random.key(seed))
+    batch = None
+    for b in range(sequences):
+        cache = make_prompt_cache(model)
+        mx.eval(model(tokens[b : b + 1, : prefill + 7 * b], cache=cache))
+        batch = batch or [BatchKVCache() for _ in cache]
+        for bc, c in zip(batch, cache):
+            bc.add_row(c.keys[:, :, : c.offset], c.values[:, :, : c.offset])
+    out = {}
+    for L in range(1, max_len + 1):
+        chunk = tokens[:, -L:]
+
+        def step():
+            mx.eval(model(chunk, cache=batch))
+            for bc in batch:
+                for b in range(sequences):
+                    bc.trim_row(b, L)
+
+        out[L] = _median_ms(step, trials)
+    return out
+
+
 def verify_equals_singles(model, n: int = 8, prefill: int = 64) -> bool:
     """Whether an n-token pass over a prefilled cache gives the logits of n single-token passes, bit for bit."""
     from mlx_lm.models.cache import make_prompt_cache
@@ -96,10 +128,12 @@ def verify_equals_singles(model, n: int = 8, prefill: int = 64) -> bool:
     return bool(mx.array_equal(full, singles).item())
 
 
-def shape_table(name: str, layers: int | None, prefill: int, max_len: int, trials: int, plans=("auto",)) -> int:
+def shape_table(name: str, layers: int | None, prefill: int, max_len: int, trials: int, plans=("auto",),
+                sequences: int = 1) -> int:
     """Stock against batch-invariant verify cost on a random model of a named shape: the kernels path
     (make_batch_invariant, "fused") and fixed-row passes (make_fixed_rows, 16 rows, one fresh copy of the
-    model per plan in `plans`)."""
+    model per plan in `plans`); with sequences > 1 also the batch engine's pass of that many sequences,
+    stock and fused."""
     from .. import kernels
     from ..target.batch_invariant import make_batch_invariant
     from ..target.fixed_rows import make_fixed_rows
@@ -109,11 +143,14 @@ def shape_table(name: str, layers: int | None, prefill: int, max_len: int, trial
     print(f"model:   {describe(name, layers)}")
     print(f"device:  {mx.default_device()}")
     times, exact = {"stock": time_verify_forward(model, prefill, max_len, trials)}, {"stock": verify_equals_singles(model)}
+    batched = {"stock": time_batch_verify(model, sequences, prefill, max_len, trials)} if sequences > 1 else {}
     make_batch_invariant(model)
     print("kernels: " + ", ".join(f"{op}={b}" for op, b in kernels.describe().items()))
     if all(b == "reference" for b in kernels.describe().values()):
         print("note:    no GPU backend: the fused path runs the CPU references of the kernels")
     times["fused"], exact["fused"] = time_verify_forward(model, prefill, max_len, trials), verify_equals_singles(model)
+    if sequences > 1:
+        batched["fused"] = time_batch_verify(model, sequences, prefill, max_len, trials)
     for plan in plans:
         del model
         mx.clear_cache()
@@ -130,6 +167,13 @@ def shape_table(name: str, layers: int | None, prefill: int, max_len: int, trial
     print("\nt(1) / stock t(1): " + ", ".join(f"{label} {t[1] / t1:.2f}" for label, t in times.items() if label != "stock"))
     print("8-token verify == 8 single steps, bit for bit: "
           + ", ".join(f"{k} {'yes' if v else 'no'}" for k, v in exact.items()))
+    if batched:
+        b1 = batched["stock"][1]
+        print(f"\n{sequences} sequences x (k+1) tokens over a BatchKVCache (the batch engine's step; rows of "
+              f"{prefill}..{prefill + 7 * (sequences - 1)} tokens), ratios against stock t(1) = {b1:.2f} ms")
+        print(f"{'k+1':>4} " + " ".join(f"{label + ' ms':>22} {'x':>5}" for label in batched))
+        for L in batched["stock"]:
+            print(f"{L:>4} " + " ".join(f"{t[L]:>22.2f} {t[L] / b1:>5.2f}" for t in batched.values()))
     return 0
 
 
@@ -173,6 +217,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shape", help="a random model shaped like a real one (llama-8b, qwen3-30b-a3b, smollm2-135m): "
                     "stock and batch-invariant t(k+1) side by side")
     ap.add_argument("--shape-layers", type=int, help="with --shape: fewer layers than the real model")
+    ap.add_argument("--sequences", type=int, default=1,
+                    help="with --shape: also time passes of this many sequences over a batch cache (stock, fused)")
     ap.add_argument("--fixed-plans", default="auto",
                     help="with --shape: fixed-row plans to time, comma-separated (auto, stock, stock-linears, kernels)")
     args = ap.parse_args(argv)
@@ -187,7 +233,9 @@ def main(argv: list[str] | None = None) -> int:
         bad = [p for p in plans if p not in ("auto",) + PLANS]
         if bad or not plans:
             ap.error(f"--fixed-plans: expected comma-separated plans among auto, {', '.join(PLANS)}, got {args.fixed_plans!r}")
-        return shape_table(args.shape, args.shape_layers, args.prefill, args.max_len, args.trials, plans)
+        if args.sequences < 1:
+            ap.error(f"--sequences must be >= 1, got {args.sequences}")
+        return shape_table(args.shape, args.shape_layers, args.prefill, args.max_len, args.trials, plans, args.sequences)
 
     from .. import kernels
 

@@ -4,6 +4,7 @@
 #   source .gpu/setup.sh; bash scripts/gpu/final_round.sh 1   # bench verify tables (stock / fused / fixed), end to end
 #   source .gpu/setup.sh; bash scripts/gpu/final_round.sh 2   # greedy and fixed-row tests, qmm bands, the GPU suite
 #   source .gpu/setup.sh; bash scripts/gpu/final_round.sh 3   # MLA + MoE verify table (deepseek_v3 classes), batch-engine invariance
+#   source .gpu/setup.sh; bash scripts/gpu/final_round.sh 4   # the batch engine's step, 4 sequences, stock and fused
 set -u
 PART=${1:-1}
 step() { local name=$1 limit=$2; shift 2; echo "== $name" | tee -a $OUT/summary.log
@@ -19,6 +20,8 @@ elif [ "$PART" = 3 ]; then
   step verify_mla 360 python3 -m mlx_engine.bench verify --shape deepseek-mla-16b --shape-layers 12 --prefill 512 --trials 7 --fixed-plans auto,stock
   TAILN=10 step mla_tests 100 python3 -m pytest -q -p no:cacheprovider tests/test_mla_invariant.py tests/test_batch_invariance.py
   TAILN=10 step invariant_batches 80 python3 -m pytest -q -p no:cacheprovider tests/test_invariant_batches.py tests/test_kernel_attention.py
+elif [ "$PART" = 4 ]; then
+  TAILN=30 step verify_batch4 500 python3 -m mlx_engine.bench verify --shape llama-8b --shape-layers 16 --prefill 512 --trials 7 --max-len 8 --fixed-plans stock --sequences 4
 else
   TAILN=15 step greedy 120 python3 -m pytest -q $N8 -p no:cacheprovider tests/test_greedy_equality.py
   TAILN=15 step fixed_rows 90 python3 -m pytest -q -p no:cacheprovider tests/test_fixed_rows.py
