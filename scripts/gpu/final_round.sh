@@ -1,6 +1,6 @@
 #!/bin/bash
 # Issue 12's closing measurements on a lent CUDA machine, each step bounded, logs under $OUT.
-# Two parts, each under the device's 10-minute call limit:
+# Four parts, each under the device's 10-minute call limit:
 #   source .gpu/setup.sh; bash scripts/gpu/final_round.sh 1   # bench verify tables (stock / fused / fixed), end to end
 #   source .gpu/setup.sh; bash scripts/gpu/final_round.sh 2   # greedy and fixed-row tests, qmm bands, the GPU suite
 #   source .gpu/setup.sh; bash scripts/gpu/final_round.sh 3   # MLA + MoE verify table (deepseek_v3 classes), batch-engine invariance
