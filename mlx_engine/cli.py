@@ -157,10 +157,11 @@ def run_generate(args) -> int:
     else:
         print(detok.last_segment, flush=True)
         per_pos = " ".join(f"{a:.2f}" for a in stats.acceptance_per_position)
+        drafts = (f"acceptance {stats.acceptance_rate:.2f} ({per_pos}) | {stats.mean_accepted_length:.2f} tokens/verify"
+                  if stats.drafted else "no drafts" + (" (plain decoding)" if engine.drafter is None else ""))
         print(
             f"\n[{stats.generated} tokens | prompt {stats.prompt_tps:.1f} tok/s | decode {stats.decode_tps:.1f} tok/s | "
-            f"acceptance {stats.acceptance_rate:.2f} ({per_pos}) | {stats.mean_accepted_length:.2f} tokens/verify | "
-            f"peak {stats.peak_memory / 2**20:.0f} MiB]",
+            f"{drafts} | peak {stats.peak_memory / 2**20:.0f} MiB]",
             file=sys.stderr,
         )
     return 0

@@ -131,3 +131,21 @@ def test_module_entry_point(dirs):
     bad = subprocess.run([sys.executable, "-m", "mlx_engine", "generate", "--model", "/nope", "--prompt", "x"],
                          capture_output=True, text=True)
     assert bad.returncode == 2 and "model not found" in bad.stderr
+
+
+def test_the_summary_line_says_plain_decoding_instead_of_an_empty_acceptance(dirs, capsys, monkeypatch):
+    import mlx_engine.cli as cli
+
+    engines = []
+    real = cli.Engine
+    monkeypatch.setattr(cli, "Engine", lambda *a, **kw: engines.append(real(*a, **kw)) or engines[-1])
+    common = ["generate", "--model", dirs["target"], "--prompt-tokens", "1,2,3,1,2,3,1,2,3", "--max-tokens", "12",
+              "--ignore-eos"]
+    assert main(common) == 0
+    assert "| no drafts (plain decoding) |" in capsys.readouterr().err
+    assert main(common + ["--drafter", "ngram", "--num-draft", "2"]) == 0
+    summary = capsys.readouterr().err.strip().splitlines()[-1]
+    if engines[-1].stats.drafted:  # whether the n-gram found a match depends on what the model generates
+        assert "acceptance " in summary and "tokens/verify" in summary and "no drafts" not in summary
+    else:
+        assert "| no drafts |" in summary
