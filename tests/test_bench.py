@@ -203,3 +203,14 @@ def test_ignore_eos_runs_every_mode_to_max_tokens(tmp_path):
     report = json.loads(out.read_text())
     assert report["args"]["ignore_eos"] is True
     assert {r["tokens"] for r in report["results"]} == {2 * 5}  # 2 prompts x 5 tokens timed after the first
+
+
+@pytest.mark.parametrize("flag", ["--trials", "--prefill", "--max-len", "--layers", "--sequences"])
+def test_bench_verify_refuses_counts_below_one_with_one_line(flag, capsys):
+    from mlx_engine.bench.verify import main as verify_main
+
+    with pytest.raises(SystemExit) as e:
+        verify_main([flag, "0"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: argument " + flag) and "Traceback" not in err

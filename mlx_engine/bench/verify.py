@@ -19,12 +19,13 @@ from __future__ import annotations
 
 from .. import _platform  # noqa: F401  (OpenBLAS before mlx, on Linux)
 
-import argparse
 import statistics
 import time
 from typing import Callable
 
 import mlx.core as mx
+
+from ..args import ArgumentParser, count
 
 
 def build_default_model(layers: int = 30, hidden: int = 576, vocab: int = 49152, seed: int = 0):
@@ -205,19 +206,19 @@ def time_acceptance(vocab: int, ks: list[int], trials: int, seed: int = 0) -> li
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m mlx_engine.bench verify", description=__doc__.split("\n\n")[0])
+    ap = ArgumentParser(prog="python -m mlx_engine.bench verify", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", help="local model directory (mlx_lm.load); default: random SmolLM2-135M-shaped llama")
-    ap.add_argument("--prefill", type=int, default=128, help="tokens in the KV cache before each timed call")
-    ap.add_argument("--max-len", type=int, default=16, help="largest k + 1 to time")
-    ap.add_argument("--trials", type=int, default=5, help="timed calls per length (median)")
+    ap.add_argument("--prefill", type=count(1), default=128, help="tokens in the KV cache before each timed call")
+    ap.add_argument("--max-len", type=count(1), default=16, help="largest k + 1 to time")
+    ap.add_argument("--trials", type=count(1), default=5, help="timed calls per length (median)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--layers", type=int, default=30, help="default model: layers")
-    ap.add_argument("--hidden", type=int, default=576, help="default model: hidden size")
-    ap.add_argument("--vocab", type=int, default=49152, help="default model: vocabulary")
+    ap.add_argument("--layers", type=count(1), default=30, help="default model: layers")
+    ap.add_argument("--hidden", type=count(1), default=576, help="default model: hidden size")
+    ap.add_argument("--vocab", type=count(2), default=49152, help="default model: vocabulary")
     ap.add_argument("--shape", help="a random model shaped like a real one (llama-8b, qwen3-30b-a3b, smollm2-135m): "
                     "stock and batch-invariant t(k+1) side by side")
-    ap.add_argument("--shape-layers", type=int, help="with --shape: fewer layers than the real model")
-    ap.add_argument("--sequences", type=int, default=1,
+    ap.add_argument("--shape-layers", type=count(1), help="with --shape: fewer layers than the real model")
+    ap.add_argument("--sequences", type=count(1), default=1,
                     help="with --shape: also time passes of this many sequences over a batch cache (stock, fused)")
     ap.add_argument("--fixed-plans", default="auto",
                     help="with --shape: fixed-row plans to time, comma-separated (auto, stock, stock-linears, kernels)")
@@ -233,8 +234,6 @@ def main(argv: list[str] | None = None) -> int:
         bad = [p for p in plans if p not in ("auto",) + PLANS]
         if bad or not plans:
             ap.error(f"--fixed-plans: expected comma-separated plans among auto, {', '.join(PLANS)}, got {args.fixed_plans!r}")
-        if args.sequences < 1:
-            ap.error(f"--sequences must be >= 1, got {args.sequences}")
         return shape_table(args.shape, args.shape_layers, args.prefill, args.max_len, args.trials, plans, args.sequences)
 
     from .. import kernels
