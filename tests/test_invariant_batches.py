@@ -18,7 +18,7 @@ from mlx_engine import Engine, GenerationConfig
 from mlx_engine.core.batch_engine import BatchEngine
 from mlx_engine.drafters.ngram import NgramDrafter
 from mlx_engine.target import cache as cache_ops
-from mlx_engine.target.batch_cache import BatchKVCache
+from mlx_engine.target.batch_cache import append_sequence
 from mlx_engine.target.batch_invariant import make_batch_invariant, several_sequences_unsupported
 from test_fixed_rows import row_mixing
 
@@ -51,13 +51,11 @@ def singles(model, prompt, tokens):
 def batch_passes(model, prompts, tokens, sizes):
     """Logits [B, sum(sizes), V]: every prompt prefilled alone, its cache a row of a BatchKVCache, then
     passes of the given sizes over all sequences at once."""
-    caches = None
+    caches = []
     for p in prompts:
         cache = cache_ops.make_cache(model)
         model(mx.array(p)[None], cache=cache)
-        caches = caches or [BatchKVCache() for _ in cache]
-        for bc, c in zip(caches, cache):
-            bc.add_row(c.keys[:, :, : c.offset], c.values[:, :, : c.offset])
+        caches = append_sequence(caches, cache)
     out, at = [], 0
     for n in sizes:
         out.append(model(mx.array([t[at : at + n] for t in tokens]), cache=caches))

@@ -91,17 +91,15 @@ def time_batch_verify(model, sequences: int, prefill: int, max_len: int, trials:
     rows are trimmed back after every timed call."""
     from mlx_lm.models.cache import make_prompt_cache
 
-    from ..target.batch_cache import BatchKVCache
+    from ..target.batch_cache import append_sequence
 
     vocab = model.args.vocab_size
     tokens = mx.random.randint(0, vocab, (sequences, prefill + 7 * sequences + max_len), key=mx.random.key(seed))
-    batch = None
+    batch = []
     for b in range(sequences):
         cache = make_prompt_cache(model)
         mx.eval(model(tokens[b : b + 1, : prefill + 7 * b], cache=cache))
-        batch = batch or [BatchKVCache() for _ in cache]
-        for bc, c in zip(batch, cache):
-            bc.add_row(c.keys[:, :, : c.offset], c.values[:, :, : c.offset])
+        batch = append_sequence(batch, cache)
     out = {}
     for L in range(1, max_len + 1):
         chunk = tokens[:, -L:]

@@ -32,7 +32,7 @@ from .. import host
 from ..drafters.base import Draft, Verdict, hidden_request
 from ..drafters.mtp.batched import BatchedMTP, batchable_mtp
 from ..sampling import SamplingConfig, probabilities, process_logits
-from ..target.batch_cache import BatchKVCache, batchable
+from ..target.batch_cache import BatchKVCache, append_sequence, batchable
 from ..target.fixed_rows import make_invariant_batches
 from ..target.model import Target
 from . import invariance_default
@@ -151,9 +151,10 @@ class BatchEngine:
         key = mx.random.key(seed)
         logits, cache, hidden, reused = self._prefill(prompt)
         context = mx.array(prompt[-sampling.repetition_context :]) if sampling.penalized else None
-        seq = RunningSequence(seq_id, list(prompt), max_tokens, sampling, frozenset(stop_tokens), key, None, list(prompt), -1,
-                   reused=reused, max_draft=None if num_draft in (None, "auto") else int(num_draft),
-                   evidence=self.policy.row())
+        seq = RunningSequence(seq_id, list(prompt), max_tokens, sampling, frozenset(stop_tokens), key, None,
+                              list(prompt), -1, reused=reused,
+                              max_draft=None if num_draft in (None, "auto") else int(num_draft),
+                              evidence=self.policy.row())
         out = choose_row(logits, context, mx.zeros((0,), mx.int32), None, sampling, seq.next_key())
         first = host.read(out)[1]
         seq.history.append(first)
@@ -172,10 +173,7 @@ class BatchEngine:
             if hasattr(seq.drafter, "flush"):  # the drafter's own prefill now, not in the next (timed) step
                 seq.drafter.flush()
                 host.wait([c.state for c in getattr(seq.drafter, "cache", [])])
-        if not self.cache:
-            self.cache = [BatchKVCache() for _ in cache]
-        for bc, c in zip(self.cache, cache):
-            bc.add_row(c.keys[:, :, : c.offset], c.values[:, :, : c.offset])
+        self.cache = append_sequence(self.cache, cache)
         seq.hidden_rows = [hidden] if self.want_hidden else []
         host.wait([s for bc in self.cache for s in bc.state])
         seq.t_decode = time.perf_counter()

@@ -115,6 +115,15 @@ class BatchKVCache:
         return self.keys[i : i + 1, :, : self.lens[i]], self.values[i : i + 1, :, : self.lens[i]]
 
 
+def append_sequence(batch: list[BatchKVCache], cache: list) -> list[BatchKVCache]:
+    """`cache` (a single sequence's per-layer KV caches) appended as a new row of `batch` (one BatchKVCache
+    per layer, made when `batch` is empty); returns the batch."""
+    batch = batch or [BatchKVCache() for _ in cache]
+    for bc, c in zip(batch, cache):
+        bc.add_row(c.keys[:, :, : c.offset], c.values[:, :, : c.offset])
+    return batch
+
+
 def batchable(cache: list) -> str | None:
     """None when every layer of this single-sequence mlx-lm cache is a plain KVCache (what BatchKVCache
     replaces), else why not."""

@@ -21,7 +21,7 @@ import mlx.core as mx
 
 from ... import host
 from ...sampling import SamplingConfig, choose
-from ...target.batch_cache import BatchKVCache
+from ...target.batch_cache import BatchKVCache, append_sequence
 from ..base import Draft, Verdict
 from .drafter import MTPDrafter
 
@@ -48,10 +48,7 @@ class BatchedMTP:
         single = copy.copy(self.proto)
         single.begin(list(tokens), hidden)
         single.flush()
-        if not self.cache:
-            self.cache = [BatchKVCache() for _ in range(self.L)]
-        for bc, c in zip(self.cache, single.cache):
-            bc.add_row(c.keys[:, :, : c.offset], c.values[:, :, : c.offset])
+        self.cache = append_sequence(self.cache, single.cache)
         host.wait([a for bc in self.cache for a in bc.state] + [single._out])
         self.history.append(list(tokens))
         self.pend_h.append([])
