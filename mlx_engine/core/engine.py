@@ -23,7 +23,6 @@ import mlx.nn as nn
 
 from ..target import cache as cache_ops
 from .. import host, kernels
-from ..target.batch_invariant import is_batch_invariant
 from ..target.fixed_rows import make_invariant
 from ..kernels.acceptance import uniforms_from_key
 from ..drafters.base import Draft, Drafter, HiddenRequest, Verdict, hidden_request
@@ -81,7 +80,7 @@ class Engine:
         if batch_invariant is None:
             batch_invariant = invariance_default.default_invariance()
         self.max_rows = make_invariant(model, batch_invariant)  # invariant passes: k + 1 <= max_rows
-        self.batch_invariant = is_batch_invariant(model)
+        self.batch_invariant = self.max_rows is not None
         self.target = Target(model)
         self.drafter = drafter
         self.max_draft = max_draft

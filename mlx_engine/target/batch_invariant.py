@@ -50,7 +50,7 @@ from .. import kernels
 from ..kernels.batch_attention import attention_reference as invariant_attention  # noqa: F401  (API)
 from ..kernels.batch_attention import tree_sum  # noqa: F401  (API)
 from .invariant_attention import wrap_attention_module
-from .invariant_rows import MAX_ROWS, active, chunks, concat, covered, each_row, live, live_rows, padded  # noqa: F401
+from .invariant_rows import MAX_ROWS, active, chunks, concat, covered, each_row, live, padded
 from .mla import invariant_mla_call, is_deepseek_mla
 
 # ---------------------------------------------------------------------------------------------------

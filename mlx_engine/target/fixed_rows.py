@@ -48,9 +48,9 @@ import mlx.nn as nn
 from mlx_lm.models.cache import KVCache
 
 from .. import host, kernels
-from .batch_invariant import (MAX_ROWS, is_batch_invariant, live_rows, make_batch_invariant,
-                              several_sequences_unsupported)
+from .batch_invariant import is_batch_invariant, make_batch_invariant, several_sequences_unsupported
 from .cache import make_cache
+from .invariant_rows import MAX_ROWS, live_rows
 
 DEFAULT_ROWS = 16  # the verify passes of k <= 15 drafts; MLX's 16-row qmm costs its 1-row qmv (above)
 
@@ -170,9 +170,10 @@ def make_invariant_batches(model: nn.Module, mode) -> tuple[int | None, str | No
     (make_batch_invariant covers any number of sequences of up to MAX_ROWS tokens); "fixed" is refused
     (a fixed-row pass pads one sequence). Returns (make_invariant's row bound, why the model cannot run
     invariant passes of several sequences, or None)."""
-    if mode == "fixed" or (fixed_rows(model) is not None and mode not in (None, False, "off")):
+    padded_model = fixed_rows(model) is not None
+    if mode == "fixed" or (padded_model and mode not in (None, False, "off")):
         raise ValueError("fixed-row passes pad one sequence at a time; batched decoding runs the 'kernels' mode")
-    if fixed_rows(model) is not None:  # patched for one sequence at a time: several run stock
+    if padded_model:  # patched for one sequence at a time: several run stock
         return None, None
     rows = make_invariant(model, mode)
     return rows, several_sequences_unsupported(model) if rows else None

@@ -62,6 +62,15 @@ def sequences_attention(original, q, k, v, scale: float, lens: list[int], qp=Non
                         q, k, v, lens, qp, kp)
 
 
+def cache_attention(original, q, k, v, scale: float, cache, qp=None, kp=None, live_n: int | None = None,
+                    causal: bool = True) -> mx.array:
+    """Invariant attention over `cache`'s keys: each sequence of a BatchKVCache over its own, else one
+    sequence (causal_attention)."""
+    if isinstance(cache, BatchKVCache):
+        return sequences_attention(original, q, k, v, scale, cache.lens, qp, kp)
+    return causal_attention(original, q, k, v, scale, causal, qp, kp, live_n)
+
+
 def causal_attention(original, q, k, v, scale: float, causal: bool = True, qp=None, kp=None,
                      live_n: int | None = None) -> mx.array:
     """One sequence's invariant attention (causal: its L queries are the last L of the keys)."""
@@ -84,12 +93,10 @@ def wrap_attention_module(modname: str) -> None:
     def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None, **kw):
         plain = hasattr(cache, "bits") or kw or sinks is not None or queries.shape[2] > MAX_ROWS
         if active.get() and not plain:
-            if isinstance(cache, BatchKVCache):  # several sequences, each over its own keys
-                return sequences_attention(original, queries, keys, values, scale, cache.lens)
             live_n = live(queries, axis=2)
             causal = mask == "causal" or queries.shape[2] == 1  # one query, no mask: the causal case too
-            if mask is None or mask == "causal":
-                return causal_attention(original, queries, keys, values, scale, causal, live_n=live_n)
+            if isinstance(cache, BatchKVCache) or mask is None or mask == "causal":  # (a batch cache: an array mask)
+                return cache_attention(original, queries, keys, values, scale, cache, live_n=live_n, causal=causal)
             return attention_reference(queries, keys, values, scale, False,
                                        mask=None if isinstance(mask, str) else mask, live=live_n)
         if sinks is not None:

@@ -29,8 +29,7 @@ import mlx.core as mx
 from mlx_lm.models.base import scaled_dot_product_attention
 from mlx_lm.models.deepseek_v3 import DeepseekV3Attention
 
-from .batch_cache import BatchKVCache
-from .invariant_attention import causal_attention, sequences_attention
+from .invariant_attention import cache_attention
 from .invariant_rows import concat
 
 
@@ -48,12 +47,6 @@ def _by_rows(fn, t: mx.array, split: bool) -> mx.array:
 
 
 _SDPA = scaled_dot_product_attention  # mlx-lm's, unwrapped: what its decode step calls
-
-
-def _attention(q, latent, q_pe, k_pe, scale: float, cache, live):
-    if isinstance(cache, BatchKVCache):  # several sequences, each over its own latent entries
-        return sequences_attention(_SDPA, q, latent, latent, scale, cache.lens, q_pe, k_pe)
-    return causal_attention(_SDPA, q, latent, latent, scale, True, q_pe, k_pe, live)
 
 
 def invariant_mla_call(self, x: mx.array, cache, split_rows: bool, live: int | None) -> mx.array:
@@ -76,6 +69,6 @@ def invariant_mla_call(self, x: mx.array, cache, split_rows: bool, live: int | N
     if cache is not None:
         latent, k_pe = cache.update_and_fetch(latent, k_pe)
     q_abs = _by_rows(self.embed_q, q_nope, split_rows)
-    o = _attention(q_abs, latent, q_pe, k_pe, self.scale, cache, live)
+    o = cache_attention(_SDPA, q_abs, latent, latent, self.scale, cache, q_pe, k_pe, live)
     out = _by_rows(self.unembed_out, o, split_rows)
     return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
