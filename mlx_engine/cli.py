@@ -8,6 +8,7 @@ from . import text
 from .args import finite
 from .drafters import registry
 from .drafters.registry import DrafterError, DrafterOptions
+from .core.context import ContextLengthError, check_context
 from .core.engine import Engine, GenerationConfig
 from .models import LoadedModel, ModelLoadError, load
 from .sampling import SamplingConfig
@@ -123,13 +124,47 @@ def build(args):
     loaded = load(args.model)  # None: the embedded default model
     if prompt is None:
         prompt = encode_prompt(loaded.tokenizer, args.prompt, not args.no_chat_template)
+    try:  # before the drafter loads and anything is prefilled
+        check_context(len(prompt), args.max_tokens, loaded.context_length)
+    except ContextLengthError as e:
+        raise UsageError(f"{e} (--max-tokens {args.max_tokens})") from None
     drafter = make_drafter(args, loaded)
     stop = frozenset() if args.ignore_eos else frozenset(getattr(loaded.tokenizer, "eos_token_ids", None) or ())
     config = GenerationConfig(
         max_tokens=args.max_tokens, num_draft=args.num_draft, sampling=sampling, seed=args.seed,
-        stop_tokens=stop, profile_every=8 if args.json else 0,
+        stop_tokens=stop, profile_every=8 if args.json else 0, on_prefill=PrefillBar(),
     )
-    return loaded, Engine(loaded.model, drafter, batch_invariant=args.batch_invariant), prompt, config
+    engine = Engine(loaded.model, drafter, batch_invariant=args.batch_invariant, context_length=loaded.context_length)
+    return loaded, engine, prompt, config
+
+
+class PrefillBar:
+    """GenerationConfig.on_prefill for a terminal: a tqdm bar on stderr while a prompt of more than one
+    chunk is prefilled (tqdm: rate, elapsed and remaining time as users know them; off when stderr is no
+    terminal)."""
+
+    def __init__(self, min_tokens: int = 1024):
+        self.min_tokens = min_tokens
+        self.bar = None
+
+    def __call__(self, done: int, total: int) -> None:
+        if done == 0:
+            self.close()
+            if total >= self.min_tokens:
+                from tqdm import tqdm
+
+                self.bar = tqdm(total=total, desc="prefill", unit="tok", file=sys.stderr, disable=None,
+                                leave=False, dynamic_ncols=True)
+            return
+        if self.bar is not None:
+            self.bar.update(done - self.bar.n)
+            if done >= total:
+                self.close()
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
 
 
 def run_generate(args) -> int:

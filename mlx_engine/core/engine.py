@@ -16,7 +16,7 @@ prefix (a chat's earlier turns) instead of prefilling it again.
 
 import time
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Callable, Iterator
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -27,6 +27,7 @@ from ..target.fixed_rows import make_invariant
 from ..kernels.acceptance import uniforms_from_key
 from ..drafters.base import Draft, Drafter, HiddenRequest, Verdict, hidden_request
 from . import invariance_default, members
+from .context import check_context
 from .policy import AdaptivePolicy
 from ..sampling import SamplingConfig, probabilities, process_logits
 from .stats import SpecStats
@@ -41,9 +42,13 @@ class GenerationConfig:
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     seed: int = 0
     stop_tokens: frozenset[int] = frozenset()
-    prefill_step: int = 2048
+    # prompt tokens per prefill pass: each chunk is a point where progress is reported and a stop is seen
+    # (512: on this CPU also faster than one 2048-token pass, whose score matrices outgrow the caches)
+    prefill_step: int = 512
     reuse_cache: bool = True  # keep the target cache of the common prefix with the previous generation
     profile_every: int = 0  # every n-th cycle synchronise at phase boundaries to time them (0 = never)
+    on_prefill: Callable[[int, int], None] | None = None  # (tokens prefilled, tokens to prefill), chunk by chunk
+    should_stop: Callable[[], bool] | None = None  # asked between prefill chunks: True ends generate() there
 
     def __post_init__(self):
         if self.max_tokens < 1:
@@ -71,12 +76,15 @@ def _no_draft() -> Draft:
 class Engine:
     def __init__(
         self, model: nn.Module, drafter: Drafter | None = None, max_draft: int | None = None,
-        batch_invariant: bool | str | None = None,
+        batch_invariant: bool | str | None = None, context_length: int | None = None,
     ):
         """max_draft: the longest draft the adaptive policy tries (None: the drafter's own, else 8).
         batch_invariant: decode (plain and verify) batch invariant, so speculative output equals plain output
         bit for bit on any device: True / "kernels" (target/batch_invariant.py), "fixed" (fixed-row passes,
-        target/fixed_rows.py). None: core/invariance_default.py's rule (off, until it pays on a GPU)."""
+        target/fixed_rows.py). None: core/invariance_default.py's rule (off, until it pays on a GPU).
+        context_length: the model's context window (models.context_length); a prompt plus max_tokens beyond
+        it is refused before any work (ContextLengthError). None: not checked."""
+        self.context_length = context_length
         if batch_invariant is None:
             batch_invariant = invariance_default.default_invariance()
         self.max_rows = make_invariant(model, batch_invariant)  # invariant passes: k + 1 <= max_rows
@@ -139,6 +147,8 @@ class Engine:
         """Tokens of `prompt` the current cache already holds and can keep (0 = start afresh)."""
         if not self.cache or (want_hidden and len(self._cached_hidden) == 0 and self._cached):
             return 0
+        if cache_ops.cache_length(self.cache) not in (0, len(self._cached)):  # a pass cut short (Ctrl-C)
+            return 0
         if want_hidden and want_hidden != self._cached_request:  # rows of other hidden states
             return 0
         m = 0
@@ -159,25 +169,32 @@ class Engine:
         return m
 
     def _prefill(self, prompt: list[int], cfg: GenerationConfig, want_hidden: HiddenRequest | None):
-        """Feed prompt[:-1] in chunks, then the last prompt token alone (as mlx-lm does), reusing the
-        cache of a common prefix with the previous generation. Returns (logits, hidden of the prompt)."""
+        """Feed prompt[:-1] in chunks of cfg.prefill_step, then the last prompt token alone (as mlx-lm does),
+        reusing the cache of a common prefix with the previous generation. Between chunks progress goes to
+        cfg.on_prefill and cfg.should_stop() may end it: then None (the cache keeps what was fed, so the
+        next generation of this prompt starts from there). Returns (logits, hidden of the prompt) or None."""
         reused = self._reusable_prefix(prompt, want_hidden) if cfg.reuse_cache else 0
         if reused == 0:
             self.cache = self.target.make_cache()
             self._cached, self._cached_hidden = [], []
-        self.stats.reused_tokens = reused
-        hidden = list(self._cached_hidden) if want_hidden else []
-        body = prompt[reused:-1]
-        for i in range(0, len(body), cfg.prefill_step):
-            _, h = self.target.forward(mx.array(body[i : i + cfg.prefill_step]), self.cache, want_hidden)
-            host.wait([c.state for c in self.cache] + ([h] if want_hidden else []))
-            hidden.append(h)
-        logits, h = self.target.forward(mx.array(prompt[-1:]), self.cache, want_hidden)
-        hidden.append(h)
-        hidden = mx.concatenate(hidden) if want_hidden else None
-        self._cached = list(prompt)
-        self._cached_hidden = [hidden] if want_hidden else []
         self._cached_request = want_hidden
+        self.stats.reused_tokens = reused
+        body = prompt[reused:-1]
+        if cfg.on_prefill is not None:
+            cfg.on_prefill(0, len(body))
+        for i in range(0, len(body), cfg.prefill_step):
+            if cfg.should_stop is not None and cfg.should_stop():
+                return None
+            chunk = body[i : i + cfg.prefill_step]
+            _, h = self.target.forward(mx.array(chunk), self.cache, want_hidden)
+            host.wait([c.state for c in self.cache] + ([h] if want_hidden else []))
+            self._fed(chunk, h if want_hidden else None)  # what the cache holds, chunk by chunk
+            if cfg.on_prefill is not None:
+                cfg.on_prefill(i + len(chunk), len(body))
+        logits, h = self.target.forward(mx.array(prompt[-1:]), self.cache, want_hidden)
+        self._fed(prompt[-1:], h if want_hidden else None)
+        hidden = mx.concatenate(self._cached_hidden) if want_hidden else None
+        self._cached_hidden = [hidden] if want_hidden else []
         return logits, hidden
 
     def _emit(self, tokens: list[int], cfg: GenerationConfig) -> tuple[list[int], bool]:
@@ -197,7 +214,7 @@ class Engine:
         The cycle: prefill -> (propose -> verify -> accept -> commit -> emit)*, each phase a method below;
         a policy asking for k = 0 gets a pipelined plain stretch instead."""
         cfg = config or GenerationConfig()
-        self._check_prompt(prompt)
+        self._check_prompt(prompt, cfg.max_tokens)
         sampling, drafter = cfg.sampling, self.drafter
         want_hidden = hidden_request(drafter)  # which target hidden states the drafter reads, or None
         default, own = members.policies(drafter, self.policy, self.member_policies, cfg.num_draft, self.max_draft)
@@ -205,6 +222,8 @@ class Engine:
         mx.reset_peak_memory()
         self._target_key, draft_key = mx.random.split(mx.random.key(cfg.seed))
         first = self._start(prompt, cfg, want_hidden)
+        if first is None:  # stopped while prefilling
+            return
         yield Step([first], [], 0)
         if first in cfg.stop_tokens:
             return
@@ -255,18 +274,25 @@ class Engine:
                 return
 
     # -- the phases of a cycle -------------------------------------------------------------------
-    def _check_prompt(self, prompt: list[int]) -> None:
+    def _check_prompt(self, prompt: list[int], max_tokens: int) -> None:
         if not prompt:
             raise ValueError("the prompt is empty")
         vocab = self.target.vocab_size
         if max(prompt) >= vocab or min(prompt) < 0:
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        check_context(len(prompt), max_tokens, self.context_length)
 
-    def _start(self, prompt: list[int], cfg: GenerationConfig, want_hidden: HiddenRequest | None) -> int:
-        """Prefill, sample the first token, and start the drafter on the prompt + that token."""
+    def _start(self, prompt: list[int], cfg: GenerationConfig, want_hidden: HiddenRequest | None) -> int | None:
+        """Prefill, sample the first token, and start the drafter on the prompt + that token.
+        None: cfg.should_stop() ended the prefill."""
         t0 = time.perf_counter()
         self._history = list(prompt)
-        logits, hidden = self._prefill(prompt, cfg, want_hidden)
+        prefilled = self._prefill(prompt, cfg, want_hidden)
+        if prefilled is None:
+            self.stats.cancelled = True
+            self.stats.prompt_time = time.perf_counter() - t0
+            return None
+        logits, hidden = prefilled
         no_draft = _no_draft()
         out = self._choose(logits, self._context(cfg.sampling, no_draft.tokens), no_draft, cfg.sampling, self._next_key())
         first = host.read(out)[1]

@@ -23,6 +23,7 @@ class SpecStats:
     time_sample: float = 0.0
     time_host: float = 0.0
     peak_memory: int = 0  # bytes, mx.get_peak_memory()
+    cancelled: bool = False  # GenerationConfig.should_stop() ended the prefill
 
     def record_cycle(self, n_drafted: int, n_accepted: int, n_emitted: int) -> None:
         self.cycles += 1

@@ -11,6 +11,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map
 
+from .config import context_length  # noqa: F401  (the model's context window, from its config)
+
 
 class ModelLoadError(ValueError):
     """A model could not be found or loaded; the message says why and what was tried."""
@@ -22,6 +24,11 @@ class LoadedModel:
     tokenizer: object  # mlx_lm TokenizerWrapper
     config: dict
     path: Path
+
+    @property
+    def context_length(self) -> int | None:
+        """The model's context window (None when its config names none)."""
+        return context_length(self.config)
 
 
 def _looks_like_repo_id(s: str) -> bool:

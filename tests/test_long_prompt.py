@@ -1,0 +1,121 @@
+"""Long prompts in the single-sequence engine: prefill in chunks (equal to one piece), progress per chunk,
+a stop between chunks that keeps what was fed, and the context window checked before any work."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import tiny_models
+from mlx_engine import Engine, GenerationConfig, NgramDrafter
+from mlx_engine.core.context import ContextLengthError
+from mlx_engine.target.model import Target
+from reference import mlx_lm_greedy
+from test_greedy_equality import target
+
+RNG = np.random.default_rng(3)
+LONG = RNG.integers(0, tiny_models.VOCAB, 300).tolist()
+
+
+def tokens_of(engine, prompt, n=24, **kw):
+    return [t for s in engine.generate(prompt, GenerationConfig(max_tokens=n, **kw)) for t in s.tokens]
+
+
+@pytest.mark.parametrize("family", ["llama", "deepseek_v3", "qwen3_next"])
+def test_chunked_prefill_logits_equal_one_piece_within_float_error(family):
+    """Chunks change the attention's reduction lengths (masked keys add exact zeros, but in another
+    grouping), so logits agree to float error, not bit for bit; the greedy tokens agree (next test)."""
+    t = Target(target(family))
+    one, _ = t.forward(mx.array(LONG), t.make_cache())
+    cache, parts = t.make_cache(), []
+    for i in range(0, len(LONG), 37):
+        parts.append(t.forward(mx.array(LONG[i : i + 37]), cache)[0])
+    chunked = mx.concatenate(parts)
+    assert chunked.shape == one.shape
+    np.testing.assert_allclose(np.array(chunked), np.array(one), atol=1e-4, rtol=1e-4)
+    assert mx.array_equal(chunked.argmax(-1), one.argmax(-1))
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_next"])
+@pytest.mark.parametrize("step", [1, 37, 4096])
+def test_chunked_prefill_greedy_output_equals_mlx_lm(family, step):
+    expected = mlx_lm_greedy(target(family), LONG, 24)
+    assert tokens_of(Engine(target(family)), LONG, num_draft=0, prefill_step=step) == expected
+    assert tokens_of(Engine(target(family), NgramDrafter()), LONG, num_draft=3, prefill_step=step) == expected
+
+
+def test_progress_is_reported_chunk_by_chunk():
+    calls = []
+    engine = Engine(target("llama"))
+    tokens_of(engine, LONG, n=2, num_draft=0, prefill_step=64, on_prefill=lambda d, t: calls.append((d, t)))
+    body = len(LONG) - 1  # the last prompt token is fed alone, with the first decode
+    assert calls == [(0, body)] + [(min(i + 64, body), body) for i in range(0, body, 64)]
+    # a second turn reports only the tokens it prefills (the common prefix is reused)
+    calls.clear()
+    tokens_of(engine, LONG + [1, 2, 3], n=2, num_draft=0, prefill_step=64, on_prefill=lambda d, t: calls.append((d, t)))
+    assert calls[0] == (0, calls[-1][1]) and calls[-1][1] <= 4
+
+
+def test_stop_between_chunks_keeps_what_was_fed_and_the_next_run_is_exact():
+    engine = Engine(target("llama"), NgramDrafter())
+    chunks = []
+
+    def stop():
+        chunks.append(1)
+        return len(chunks) > 2  # two chunks fed, then stop
+
+    steps = list(engine.generate(LONG, GenerationConfig(max_tokens=8, prefill_step=50, should_stop=stop)))
+    assert steps == [] and engine.stats.cancelled
+    assert engine._cached == LONG[:100] and engine.cache[0].offset == 100
+    # the same prompt again: the 100 fed tokens are reused, the output is exact
+    out = tokens_of(engine, LONG, num_draft=3, prefill_step=50)
+    assert engine.stats.reused_tokens == 100 and not engine.stats.cancelled
+    assert out == mlx_lm_greedy(target("llama"), LONG, 24)
+
+
+def test_a_prefill_cut_short_mid_pass_is_not_reused():
+    """An exception inside a prefill pass (Ctrl-C) leaves the cache ahead of the tokens recorded: the
+    next generation starts afresh instead of trusting it."""
+    engine = Engine(target("llama"))
+
+    def boom(done, total):
+        if done >= 50:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        tokens_of(engine, LONG, prefill_step=50, on_prefill=boom)
+    engine.cache[0].update_and_fetch(*(mx.zeros((1, 2, 3, 12)),) * 2)  # as if a pass had run, unrecorded
+    assert tokens_of(engine, LONG, num_draft=0) == mlx_lm_greedy(target("llama"), LONG, 24)
+    assert engine.stats.reused_tokens == 0
+
+
+def test_context_window_is_checked_before_any_work():
+    engine = Engine(target("llama"), context_length=310)
+    with pytest.raises(ContextLengthError, match="at most 10 new tokens"):
+        next(engine.generate(LONG, GenerationConfig(max_tokens=11)))
+    assert engine.cache == []  # nothing was prefilled
+    with pytest.raises(ContextLengthError, match="context window is 300"):
+        next(Engine(target("llama"), context_length=300).generate(LONG, GenerationConfig(max_tokens=1)))
+    assert len(tokens_of(engine, LONG, n=10, num_draft=0)) == 10
+
+
+def test_cli_refuses_more_tokens_than_the_context_before_any_work(capsys):
+    from mlx_engine.__main__ import main
+
+    assert main(["generate", "--prompt-tokens", "1,2,3", "--max-tokens", "100000"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["error: the prompt (3 tokens) plus 100000 new tokens exceed this model's context window of "
+                   "8192 tokens: ask for at most 8189 new tokens (--max-tokens 100000)"]
+
+
+def test_cli_prefill_bar_follows_the_chunks():
+    from mlx_engine.cli import PrefillBar
+
+    bar = PrefillBar(min_tokens=100)
+    bar(0, 50)
+    assert bar.bar is None  # short prompts get no bar
+    bar(0, 300)
+    opened = bar.bar
+    assert opened is not None
+    bar(128, 300)
+    bar(300, 300)
+    assert bar.bar is None and opened.disable or opened.n == 300
