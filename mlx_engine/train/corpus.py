@@ -21,6 +21,8 @@ from .. import _platform  # noqa: F401  OpenBLAS before mlx
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 
+from .inputs import ROW_FORMS, TrainInputError, check_hidden_size, check_token_ids  # noqa: E402
+
 CACHE = "corpus_cache.safetensors"
 GENERATED = "corpus_generated.safetensors"
 GENERATED_PART = "corpus_generated.part.safetensors"  # answers generated so far (an interrupted run goes on)
@@ -168,7 +170,9 @@ def read_corpus(path) -> list[tuple[np.ndarray, np.ndarray]]:
     return [(tokens[a:b], hidden[a:b]) for a, b in zip(offsets[:-1], offsets[1:])]
 
 
-def _text_rows(path: Path, tokenizer) -> tuple[list[list[int]], list[int]]:
+def _text_rows(path: Path, tokenizer, vocab: int | None = None) -> tuple[list[list[int]], list[int]]:
+    """Token sequences of a .txt or .jsonl corpus file and the first position of each to train on; with
+    `vocab`, token ids given in the file must lie in the model's vocabulary (TrainInputError otherwise)."""
     seqs, starts = [], []
     if path.suffix == ".txt":
         ids = tokenizer.encode(path.read_text())
@@ -176,7 +180,7 @@ def _text_rows(path: Path, tokenizer) -> tuple[list[list[int]], list[int]]:
             seqs.append(ids[s : s + 1024])
             starts.append(0)
         return seqs, starts
-    for line in path.read_text().splitlines():
+    for n, line in enumerate(path.read_text().splitlines(), 1):
         if not line.strip():
             continue
         r = json.loads(line)
@@ -189,23 +193,31 @@ def _text_rows(path: Path, tokenizer) -> tuple[list[list[int]], list[int]]:
             p = tokenizer.apply_chat_template([{"role": "user", "content": r["prompt"]}], add_generation_prompt=True)
             seqs.append(list(p) + tokenizer.encode(r["response"], add_special_tokens=False))
             starts.append(len(p) - 1)
+            continue
         elif "text" in r:
             seqs.append(tokenizer.encode(r["text"])), starts.append(0)
+            continue
         else:
-            raise ValueError(f"{path}: a row needs tokens, prompt_ids+response_ids, prompt+response or text")
+            raise TrainInputError(f"{path} line {n}: a row needs {ROW_FORMS}")
+        if vocab is not None:  # ids written in the file (text goes through the model's own tokenizer)
+            check_token_ids(seqs[-1], vocab, f"--corpus {path} line {n}")
     return seqs, starts
 
 
 def load_corpora(files: list[str], target, tokenizer, out: Path, batch: int = 8) -> list:
-    """All corpus files as (tokens, hidden) sequences; text files are encoded once and cached in `out`."""
+    """All corpus files as (tokens, hidden) sequences; text files are encoded once and cached in `out`.
+    The files were checked by inputs.check_corpus_files; what needs the model is checked here (stored
+    hidden states of the model's size, token ids in its vocabulary: TrainInputError)."""
     seqs = []
     text_files = []
     for f in files:
         p = Path(f)
-        if not p.is_file():
-            raise FileNotFoundError(f"corpus file {p} does not exist")
         if p.suffix == ".safetensors":
-            seqs += read_corpus(p)
+            stored = read_corpus(p)
+            check_hidden_size(stored, getattr(getattr(target.text, "args", None), "hidden_size", None), f"--corpus {p}")
+            check_token_ids(np.concatenate([t for t, _ in stored] or [np.zeros(0, np.int32)]), target.vocab_size,
+                            f"--corpus {p}")
+            seqs += stored
         else:
             text_files.append(p)
     if text_files:
@@ -221,7 +233,7 @@ def load_corpora(files: list[str], target, tokenizer, out: Path, batch: int = 8)
         else:
             rows, starts = [], []
             for p in text_files:
-                r, s = _text_rows(p, tokenizer)
+                r, s = _text_rows(p, tokenizer, target.vocab_size)
                 rows += r
                 starts += s
             log(f"encoding {len(rows)} text sequences with the frozen target")

@@ -30,11 +30,13 @@ import mlx.optimizers as optim  # noqa: E402
 import numpy as np  # noqa: E402
 from mlx.utils import tree_flatten  # noqa: E402
 
-from ..args import ArgumentParser  # noqa: E402
+from ..args import ArgumentParser, HelpFormatter, count, fail, finite, int_list  # noqa: E402
 from ..drafters.dflash import DFlashModel  # noqa: E402
+from ..models import ModelLoadError  # noqa: E402
 from ..target.hidden import HiddenRequest  # noqa: E402
 from .batches import choose_subset, schedule  # noqa: E402
 from .corpus import _text_rows, log  # noqa: E402
+from .inputs import TrainInputError, check_corpus_files, writable_dir  # noqa: E402
 
 DATA = Path(__file__).parent / "data"
 
@@ -134,44 +136,75 @@ def make_batch(data, idx, rng, m: int, B: int, S: int, mask_id: int):
             mx.array(np.stack(masks)), mx.array(np.stack(tgt_rows)), mx.array(np.stack(w)))
 
 
-def main(argv=None) -> int:
-    ap = ArgumentParser(prog="python -m mlx_engine.train.dflash", description=__doc__.split("\n\n")[0])
+def _parser() -> ArgumentParser:
+    ap = ArgumentParser(prog="python -m mlx_engine train-dflash", description=__doc__.split("\n\n")[0],
+                        formatter_class=HelpFormatter)
     ap.add_argument("--model", help="target (default: the embedded SmolLM2-135M-Instruct)")
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--corpus", default=str(DATA / "corpus_greedy.jsonl"), help="comma-separated corpus files")
-    ap.add_argument("--layers", default="1,10,19,28", help="target layers whose outputs feed the drafter")
-    ap.add_argument("--block", type=int, default=8)
-    ap.add_argument("--draft-layers", type=int, default=1)
-    ap.add_argument("--anchors", type=int, default=16)
-    ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--seq-len", type=int, default=256)
-    ap.add_argument("--vocab-subset", type=int, default=8192)
-    ap.add_argument("--steps", type=int, default=1000)
-    ap.add_argument("--minutes", type=float, default=0.0, help="stop after this many minutes (0 = no limit)")
-    ap.add_argument("--lr", type=float, default=1e-3)
-    ap.add_argument("--seed", type=int, default=0)
-    a = ap.parse_args(argv)
-    missing = [f for f in a.corpus.split(",") if not Path(f).is_file()]
-    if missing:
-        ap.error(f"--corpus: no such file: {', '.join(missing)}")
+    ap.add_argument("--out", required=True, help="output folder: config.json + model.safetensors (required)")
+    ap.add_argument("--corpus", default=str(DATA / "corpus_greedy.jsonl"),
+                    help="comma-separated .jsonl / .txt corpus files")
+    ap.add_argument("--layers", type=int_list(0), default="1,10,19,28",
+                    help="target layers whose outputs feed the drafter (comma-separated, each below the layer count)")
+    ap.add_argument("--block", type=count(2), default=8, help="block size: the anchor token + block - 1 drafts")
+    ap.add_argument("--draft-layers", type=count(1), default=1, help="decoder layers of the drafter")
+    ap.add_argument("--anchors", type=count(1), default=16, help="blocks trained per sequence and step")
+    ap.add_argument("--batch", type=count(1), default=4, help="sequences per step")
+    ap.add_argument("--seq-len", type=count(2), default=256, help="positions of a sequence used, >= --block + 3")
+    ap.add_argument("--vocab-subset", type=count(1), default=8192,
+                    help="the loss is taken over the N most frequent corpus tokens")
+    ap.add_argument("--steps", type=count(0), default=1000, help="training steps (0: nothing is loaded or written)")
+    ap.add_argument("--minutes", type=finite(0.0), default=0.0, help="stop after this many minutes (0 = no limit)")
+    ap.add_argument("--lr", type=finite(0.0), default=1e-3, help="peak learning rate")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the initialisation and the data order")
+    return ap
+
+
+def main(argv=None) -> int:
     try:
-        [int(x) for x in a.layers.split(",")]
-    except ValueError:
-        ap.error(f"--layers must be comma-separated layer numbers, got {a.layers!r}")
+        a = _parser().parse_args(argv)
+    except SystemExit as e:  # --help, or a bad flag (one `error:` line printed)
+        return e.code
+    if a.steps == 0:
+        log("--steps 0: nothing to train (no model loaded, no corpus read, nothing written)")
+        return 0
+    try:
+        return train(a)
+    except (TrainInputError, ModelLoadError) as e:  # bad input: one line, status 2, no traceback
+        return fail(str(e))
+
+
+def check_inputs(a) -> Path:
+    """What can be checked before the model loads; returns the output folder (created, proven writable)."""
+    if a.seq_len < a.block + 3:
+        raise TrainInputError(f"--seq-len {a.seq_len}: needs at least --block + 3 = {a.block + 3} positions")
+    check_corpus_files(a.corpus.split(","), safetensors=False)
+    return writable_dir(a.out)
+
+
+def train(a) -> int:
     from ..models import load
     from ..target.model import Target
 
+    out = check_inputs(a)
     loaded = load(a.model)
     target = Target(loaded.model)
     targs = target.text.args
-    layers = [int(x) for x in a.layers.split(",")]
+    layers = a.layers
+    n_layers = len(target.layers)
+    if max(layers) >= n_layers:
+        raise TrainInputError(f"--layers {','.join(map(str, layers))}: the target has layers 0..{n_layers - 1}")
     mask_id = int(loaded.tokenizer.eos_token_id or 0)
     cfg = draft_config(targs, layers, a.block, a.draft_layers, mask_id)
     seqs, starts = [], []
     for f in a.corpus.split(","):
-        s, st = _text_rows(Path(f), loaded.tokenizer)
+        s, st = _text_rows(Path(f), loaded.tokenizer, target.vocab_size)
         seqs += s
         starts += st
+    keep = [i for i, s in enumerate(seqs) if len(s) > a.block + 2]  # long enough for one block after an anchor
+    if len(keep) < a.batch:
+        raise TrainInputError(f"--corpus {a.corpus}: {len(keep)} sequences longer than --block + 2 = {a.block + 2} "
+                              f"tokens, fewer than --batch {a.batch}")
+    seqs, starts = [seqs[i] for i in keep], [starts[i] for i in keep]
     t0 = time.perf_counter()
     data = [d for d in encode(target, seqs, starts, layers) if len(d[0]) > a.block + 2]
     n_tok = sum(len(d[0]) for d in data)
@@ -213,8 +246,6 @@ def main(argv=None) -> int:
                 f"({time.perf_counter() - t0:.0f}s)")
         if a.minutes and time.perf_counter() - t0 > 60 * a.minutes:
             break
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
     cfg["mlx_engine"] = {"trained_steps": step, "corpus": a.corpus, "seconds": round(time.perf_counter() - t0),
                          "vocab_subset": a.vocab_subset, "anchors": a.anchors, "batch": a.batch, "lr": a.lr}
     (out / "config.json").write_text(json.dumps(cfg, indent=1))

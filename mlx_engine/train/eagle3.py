@@ -24,6 +24,7 @@ train/batches.py); what differs:
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
 import sys
@@ -37,14 +38,17 @@ import mlx.optimizers as optim  # noqa: E402
 import numpy as np  # noqa: E402
 from mlx.utils import tree_flatten, tree_map  # noqa: E402
 
+from ..args import count, fail, finite  # noqa: E402
 from ..drafters.eagle3 import Eagle3Head, default_aux_ids  # noqa: E402
 from ..drafters.vocab_subset import output_rows  # noqa: E402
+from ..models import ModelLoadError  # noqa: E402
 from ..target.hidden import HiddenRequest  # noqa: E402
 from . import mtp  # noqa: E402
 from .batches import batch_order, make_windows, schedule  # noqa: E402
 from .corpus import (  # noqa: E402
     GENERATED, _text_rows, frozen_target, generate_corpus_resumable, log, read_corpus, save_corpus,
 )
+from .inputs import TrainInputError, check_checkpoint, check_corpus_files, read_prompts, writable_dir  # noqa: E402
 
 FEATURES = "eagle3_corpus.safetensors"
 CONFIG, WEIGHTS, INFO = "config.json", "model.safetensors", "eagle3.json"
@@ -265,29 +269,31 @@ def _parser():
         if a.dest == "corpus":
             a.help = (".jsonl or .txt files (the target re-encodes them whole to read its layer features; the "
                       "default: generate the target's own answers to --prompts)")
-    p.add_argument("--ttt", type=int, default=4, help="training-time test depth: draft steps unrolled per slot")
-    p.add_argument("--ttt-decay", type=float, default=0.8, help="loss weight of TTT step j is DECAY**j")
-    p.add_argument("--encode-batch", type=int, default=8, help="sequences per batch when reading the features")
+    p.add_argument("--ttt", type=count(1), default=4, help="training-time test depth: draft steps unrolled per slot")
+    p.add_argument("--ttt-decay", type=fraction, default=0.8, help="loss weight of TTT step j is DECAY**j, in (0, 1]")
+    p.add_argument("--encode-batch", type=count(1), default=8, help="sequences per batch when reading the features")
     return p
 
 
-def corpus_rows(args, m, target, out: Path):
-    """(rows, starts, description): whole token sequences and the first position of each to train on."""
+def fraction(text: str) -> float:
+    """A number in (0, 1]."""
+    value = finite(0.0)(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}")
+    return value
+
+
+def corpus_rows(args, m, target, out: Path, prompts: list[str] | None):
+    """(rows, starts, description): whole token sequences and the first position of each to train on.
+    The files were checked (inputs.check_corpus_files); token ids are checked against the vocabulary here."""
     if args.corpus:
         rows, starts = [], []
         for f in args.corpus:
-            p = Path(f)
-            if not p.is_file():
-                raise FileNotFoundError(f"corpus file {p} does not exist")
-            if p.suffix == ".safetensors":
-                raise ValueError(f"{p}: a train-mtp corpus holds only the final hidden state; train-eagle3 reads "
-                                 ".jsonl/.txt corpora (the target re-encodes them to read its layer features)")
-            r, s = _text_rows(p, m.tokenizer)
+            r, s = _text_rows(Path(f), m.tokenizer, target.vocab_size)
             rows += r
             starts += s
         return rows, starts, [str(c) for c in args.corpus]
-    prompts_file = Path(args.prompts) if args.prompts else Path(mtp.__file__).parent / "data" / "prompts_train.jsonl"
-    prompts = [json.loads(x)["prompt"] for x in prompts_file.read_text().splitlines() if x.strip()]
+    prompts_file = args.prompts or mtp.DEFAULT_PROMPTS
     ids = [list(m.tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True))
            for q in prompts]
     if not (out / GENERATED).is_file():
@@ -298,8 +304,8 @@ def corpus_rows(args, m, target, out: Path):
     return rows, [len(p) - 1 for p in ids], ["generated"]
 
 
-def load_features(args, m, target, out: Path, request: HiddenRequest):
-    rows, starts, desc = corpus_rows(args, m, target, out)
+def load_features(args, m, target, out: Path, request: HiddenRequest, prompts: list[str] | None):
+    rows, starts, desc = corpus_rows(args, m, target, out, prompts)
     sig = hashlib.sha1(json.dumps([rows, starts, list(request.layers)]).encode()).hexdigest()
     cache = out / FEATURES
     if cache.is_file() and mx.load(str(cache), return_metadata=True)[1].get("signature") == sig:
@@ -318,25 +324,28 @@ def main(argv=None) -> int:
         args = _parser().parse_args(argv)
     except SystemExit as e:
         return e.code
-    if args.ttt < 1 or not 0 < args.ttt_decay <= 1:
-        log("error: --ttt must be >= 1 and --ttt-decay in (0, 1]")
-        return 2
     if args.steps == 0:
         log("--steps 0: nothing to train (no model loaded, no corpus read, nothing written)")
         return 0
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        return train(args)
+    except (TrainInputError, ModelLoadError) as e:  # bad input: one line, status 2, no traceback
+        return fail(str(e))
+
+
+def train(args) -> int:
+    if args.corpus:  # train-mtp's checks, with .safetensors corpora refused (they hold no layer features)
+        check_corpus_files(args.corpus, safetensors=False)
+    prompts = None if args.corpus else read_prompts(args.prompts or mtp.DEFAULT_PROMPTS)
+    if args.resume:
+        check_checkpoint(Path(args.out) / mtp.CKPT)
+    out = writable_dir(args.out)
     t_start = time.perf_counter()
     m, target = frozen_target(args.model)
     boundaries, request = feature_request(len(target.layers))
-    try:
-        seqs, corpus_desc = load_features(args, m, target, out, request)
-    except (OSError, ValueError) as e:
-        log(f"error: {e}")
-        return 2
+    seqs, corpus_desc = load_features(args, m, target, out, request, prompts)
     if not seqs:
-        log("error: the corpus is empty")
-        return 2
+        raise TrainInputError(f"the corpus ({', '.join(corpus_desc)}) holds no sequence of 3 tokens or more")
     vocab = target.vocab_size
     stop = set(getattr(m.tokenizer, "eos_token_ids", None) or [])
     ckpt = out / mtp.CKPT

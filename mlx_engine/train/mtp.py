@@ -48,12 +48,17 @@ import mlx.optimizers as optim  # noqa: E402
 import numpy as np  # noqa: E402
 from mlx.utils import tree_flatten, tree_map, tree_unflatten  # noqa: E402
 
-from ..args import ArgumentParser, HelpFormatter, count, finite  # noqa: E402
+from ..args import ArgumentParser, HelpFormatter, count, fail, finite  # noqa: E402
 from ..drafters.vocab_subset import SUBSET_KEY, output_rows  # noqa: E402
 from .batches import batch_order, choose_subset, make_windows, schedule, train_step_fn  # noqa: E402
+from ..models import ModelLoadError  # noqa: E402
 from .corpus import GENERATED, frozen_target, generate_corpus_resumable, load_corpora, log, read_corpus  # noqa: E402
+from .inputs import (  # noqa: E402
+    TrainInputError, check_checkpoint, check_corpus_files, check_hidden_size, read_prompts, writable_dir,
+)
 
 CKPT = "checkpoint"
+DEFAULT_PROMPTS = Path(__file__).parent / "data" / "prompts_train.jsonl"
 
 
 # -- training -----------------------------------------------------------------------------------------------
@@ -225,9 +230,29 @@ def main(argv=None) -> int:
     if args.steps == 0:  # nothing to train: load nothing, generate nothing, write nothing
         log("--steps 0: nothing to train (no model loaded, no corpus generated, nothing written)")
         return 0
+    try:
+        return train(args)
+    except (TrainInputError, ModelLoadError) as e:  # bad input: one line, status 2, no traceback
+        return fail(str(e))
+
+
+def check_inputs(args) -> tuple[Path, list[str] | None]:
+    """What can be checked before the model loads, in order: the corpus files (or the prompts file), a
+    checkpoint to resume, the output folder (created, a file written there). Returns (out, prompts)."""
+    prompts = None
+    if args.corpus:
+        check_corpus_files(args.corpus)
+    else:
+        prompts = read_prompts(args.prompts or DEFAULT_PROMPTS)
+    if args.resume:
+        check_checkpoint(Path(args.out) / CKPT)
+    return writable_dir(args.out), prompts
+
+
+def train(args) -> int:
     from ..drafters.mtp import trained
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+
+    out, prompts = check_inputs(args)
     t_start = time.perf_counter()
     m, target = frozen_target(args.model)
     cfg = m.config
@@ -240,18 +265,16 @@ def main(argv=None) -> int:
         gen = out / GENERATED
         if gen.is_file():
             seqs = read_corpus(gen)
+            check_hidden_size(seqs, getattr(getattr(target.text, "args", None), "hidden_size", None), str(gen))
         else:
-            prompts_file = Path(args.prompts) if args.prompts else Path(__file__).parent / "data" / "prompts_train.jsonl"
-            prompts = [json.loads(x)["prompt"] for x in prompts_file.read_text().splitlines() if x.strip()]
             ids = [list(m.tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True))
                    for q in prompts]
-            log(f"generating the target's answers to {len(ids)} prompts from {prompts_file}")
+            log(f"generating the target's answers to {len(ids)} prompts from {args.prompts or DEFAULT_PROMPTS}")
             seqs = generate_corpus_resumable(target, ids, out, args.gen_tokens, args.gen_batch, stop, args.seed)
         corpus_desc = ["generated"]
     seqs = [s for s in seqs if len(s[0]) >= 3]
     if not seqs:
-        log("error: the corpus is empty")
-        return 2
+        raise TrainInputError(f"the corpus ({', '.join(corpus_desc)}) holds no sequence of 3 tokens or more")
     n_tokens = sum(len(t) for t, _ in seqs)
     vocab = target.vocab_size
 
@@ -299,7 +322,10 @@ def resume_and_train(trainer, args, ckpt: Path, subset, t_start: float, announce
     history, elapsed_before = [], 0.0
     if args.resume:
         if (ckpt / "state.json").is_file():
-            st = trainer.load(ckpt)
+            try:
+                st = trainer.load(ckpt)
+            except (ValueError, KeyError) as e:  # another head's shapes, a missing array
+                raise TrainInputError(f"--resume: the checkpoint in {ckpt} does not fit this head ({e})") from None
             history, elapsed_before = st.get("history", []), st.get("train_seconds", 0.0)
             log(f"resumed from {ckpt} at step {trainer.step}")
         else:
