@@ -119,3 +119,36 @@ def test_cli_prefill_bar_follows_the_chunks():
     bar(128, 300)
     bar(300, 300)
     assert bar.bar is None and opened.disable or opened.n == 300
+
+
+@pytest.mark.parametrize("drafter", ["none", "ngram", "mtp"])
+def test_prefix_tree_serves_a_conversation_after_another_and_stays_exact(drafter, tmp_path_factory):
+    """Conversation A, then B (the engine's own cache now holds B), then A's next turn: it starts from the
+    tree's copy of A, and its output equals a cold run's."""
+    if drafter == "mtp":
+        from mlx_engine.drafters.mtp import load_head
+        from test_mtp_helpers import OracleMTP, load_hf, make
+
+        folder = make(tmp_path_factory, "deepseek_v3")
+        model, config = load_hf(folder)
+        make_drafter = lambda: OracleMTP(load_head(model, folder, config), model)  # noqa: E731
+    else:
+        model = target("llama")
+        make_drafter = (lambda: NgramDrafter()) if drafter == "ngram" else (lambda: None)  # noqa: E731
+    engine = Engine(model, make_drafter(), prefix_cache_bytes=1 << 30)
+    tree = engine.held.prefix_cache
+    a1, b1 = LONG[:120], LONG[150:260]
+    out_a = tokens_of(engine, a1, num_draft=3)
+    tokens_of(engine, b1, num_draft=3)
+    a2 = a1 + out_a + [5, 6, 7]
+    out = tokens_of(engine, a2, num_draft=3)
+    assert engine.stats.reused_tokens >= len(a1) + len(out_a) - 1
+    assert out == mlx_lm_greedy(model, a2, 24)
+    cold = Engine(model, make_drafter())
+    assert tokens_of(cold, a2, num_draft=3) == out and cold.stats.reused_tokens == 0
+    assert tree.status()["hits"] >= 1
+
+
+def test_prefix_tree_is_refused_by_name_for_a_recurrent_cache():
+    engine = Engine(target("qwen3_next"), prefix_cache_bytes=1 << 30)
+    assert engine.held.prefix_cache is None and "ArraysCache" in engine.held.prefix_cache_off

@@ -9,9 +9,9 @@ mlx-lm, with the drafter kept in step.
 
 State between cycles: the target cache holds every committed token except `_last` (sampled, not yet
 fed) and `_replay` (kept tokens a cache without per-token states, e.g. a wrapped rotating window, must
-be fed again after a rollback to its snapshot; fed before the next checkpoint).
-`_cached` lists exactly the tokens the cache holds, so the next generation reuses the longest common
-prefix (a chat's earlier turns) instead of prefilling it again.
+be fed again after a rollback to its snapshot; fed before the next checkpoint). core/held_cache.py keeps
+that cache between generations with exactly the tokens it holds (prefill, reuse of a common prefix, the
+shared prefix tree).
 """
 
 import time
@@ -28,10 +28,12 @@ from ..kernels.acceptance import uniforms_from_key
 from ..drafters.base import Draft, Drafter, HiddenRequest, Verdict, hidden_request
 from . import invariance_default, members
 from .context import check_context
+from .held_cache import HeldCache
 from .policy import AdaptivePolicy
 from ..sampling import SamplingConfig, probabilities, process_logits
 from .stats import SpecStats
 from ..target.model import Target
+from ..target.prefix_cache import PrefixCache
 from .verify import accept_greedy, accept_sampled
 
 
@@ -77,13 +79,17 @@ class Engine:
     def __init__(
         self, model: nn.Module, drafter: Drafter | None = None, max_draft: int | None = None,
         batch_invariant: bool | str | None = None, context_length: int | None = None,
+        prefix_cache_bytes: int = 0,
     ):
         """max_draft: the longest draft the adaptive policy tries (None: the drafter's own, else 8).
         batch_invariant: decode (plain and verify) batch invariant, so speculative output equals plain output
         bit for bit on any device: True / "kernels" (target/batch_invariant.py), "fixed" (fixed-row passes,
         target/fixed_rows.py). None: core/invariance_default.py's rule (off, until it pays on a GPU).
         context_length: the model's context window (models.context_length); a prompt plus max_tokens beyond
-        it is refused before any work (ContextLengthError). None: not checked."""
+        it is refused before any work (ContextLengthError). None: not checked.
+        prefix_cache_bytes: > 0 keeps a prefix tree of that size (target/prefix_cache.py) that prompts of other
+        conversations start from, filled after each generation (`held.prefix_cache_off` says why a model's
+        cache cannot be kept by prefix)."""
         self.context_length = context_length
         if batch_invariant is None:
             batch_invariant = invariance_default.default_invariance()
@@ -96,10 +102,18 @@ class Engine:
         self.member_policies: dict[str, AdaptivePolicy] = {}  # a chain's other members' own policies
         # the fused acceptance kernel when a GPU backend is selected; on CPU verify.py's reference
         self._fused_accept = kernels.get("acceptance") if kernels.backend("acceptance") != "reference" else None
-        self.stats, self.cache = SpecStats(), []
-        self._cached: list[int] = []  # the tokens the cache holds, in order
-        self._cached_hidden: list[mx.array] = []  # their hidden states (when the drafter needs them)
-        self._cached_request: HiddenRequest | None = None  # which hidden states those rows are
+        self.stats = SpecStats()
+        tree = PrefixCache(prefix_cache_bytes, with_hidden=hidden_request(drafter) is not None) \
+            if prefix_cache_bytes > 0 else None
+        self.held = HeldCache(self.target, tree)  # the target cache and exactly the tokens it holds
+
+    @property
+    def cache(self) -> list:
+        return self.held.cache
+
+    @property
+    def _cached(self) -> list[int]:
+        return self.held.tokens
 
     # -- the one place where cache bookkeeping happens -------------------------------------------
     def _commit(self, ckpt, verdict: Verdict, hidden) -> None:
@@ -107,17 +121,11 @@ class Engine:
         `hidden`: rows of the verify pass, or None."""
         kept = [self._last] + verdict.tokens[: verdict.n_accepted]
         replay = cache_ops.rollback(self.cache, ckpt, len(kept)) if ckpt is not None else 0
-        self._fed(kept[: len(kept) - replay], hidden)
+        self.held.fed(kept[: len(kept) - replay], hidden)
         self._replay = kept[len(kept) - replay :] if replay else []
         self._last = verdict.tokens[verdict.n_accepted]
         if self.drafter is not None:
             self.drafter.commit(verdict, hidden)
-
-    def _fed(self, tokens: list[int], hidden) -> None:
-        """Record tokens now held by the cache (and their hidden rows, the first len(tokens) of `hidden`)."""
-        self._cached += tokens
-        if hidden is not None and tokens:
-            self._cached_hidden.append(hidden[: len(tokens)])
 
     def _choose(self, logits, context, draft: Draft, cfg: SamplingConfig, key) -> mx.array:
         """[n_accepted, t_0..t_k] on device (see verify.py)."""
@@ -143,60 +151,6 @@ class Engine:
             return None
         return mx.concatenate([mx.array(self._history[-cfg.repetition_context :]), draft])
 
-    def _reusable_prefix(self, prompt: list[int], want_hidden: HiddenRequest | None) -> int:
-        """Tokens of `prompt` the current cache already holds and can keep (0 = start afresh)."""
-        if not self.cache or (want_hidden and len(self._cached_hidden) == 0 and self._cached):
-            return 0
-        if cache_ops.cache_length(self.cache) not in (0, len(self._cached)):  # a pass cut short (Ctrl-C)
-            return 0
-        if want_hidden and want_hidden != self._cached_request:  # rows of other hidden states
-            return 0
-        m = 0
-        for a, b in zip(prompt[:-1], self._cached):  # the last prompt token is always fed: it gives logits
-            if a != b:
-                break
-            m += 1
-        drop = len(self._cached) - m
-        if m == 0 or (drop and not all(c.is_trimmable() for c in self.cache)):
-            return 0
-        for c in self.cache:
-            if drop:
-                c.trim(drop)
-        self._cached = self._cached[:m]
-        if self._cached_hidden:
-            h = mx.concatenate(self._cached_hidden)[:m]
-            self._cached_hidden = [h]
-        return m
-
-    def _prefill(self, prompt: list[int], cfg: GenerationConfig, want_hidden: HiddenRequest | None):
-        """Feed prompt[:-1] in chunks of cfg.prefill_step, then the last prompt token alone (as mlx-lm does),
-        reusing the cache of a common prefix with the previous generation. Between chunks progress goes to
-        cfg.on_prefill and cfg.should_stop() may end it: then None (the cache keeps what was fed, so the
-        next generation of this prompt starts from there). Returns (logits, hidden of the prompt) or None."""
-        reused = self._reusable_prefix(prompt, want_hidden) if cfg.reuse_cache else 0
-        if reused == 0:
-            self.cache = self.target.make_cache()
-            self._cached, self._cached_hidden = [], []
-        self._cached_request = want_hidden
-        self.stats.reused_tokens = reused
-        body = prompt[reused:-1]
-        if cfg.on_prefill is not None:
-            cfg.on_prefill(0, len(body))
-        for i in range(0, len(body), cfg.prefill_step):
-            if cfg.should_stop is not None and cfg.should_stop():
-                return None
-            chunk = body[i : i + cfg.prefill_step]
-            _, h = self.target.forward(mx.array(chunk), self.cache, want_hidden)
-            host.wait([c.state for c in self.cache] + ([h] if want_hidden else []))
-            self._fed(chunk, h if want_hidden else None)  # what the cache holds, chunk by chunk
-            if cfg.on_prefill is not None:
-                cfg.on_prefill(i + len(chunk), len(body))
-        logits, h = self.target.forward(mx.array(prompt[-1:]), self.cache, want_hidden)
-        self._fed(prompt[-1:], h if want_hidden else None)
-        hidden = mx.concatenate(self._cached_hidden) if want_hidden else None
-        self._cached_hidden = [hidden] if want_hidden else []
-        return logits, hidden
-
     def _emit(self, tokens: list[int], cfg: GenerationConfig) -> tuple[list[int], bool]:
         """Cut emitted tokens at max_tokens and after a stop token; add them to the history."""
         tokens = tokens[: cfg.max_tokens - self.stats.generated]
@@ -212,9 +166,16 @@ class Engine:
         """Yield one Step per cycle (the first holds the token sampled after the prompt).
 
         The cycle: prefill -> (propose -> verify -> accept -> commit -> emit)*, each phase a method below;
-        a policy asking for k = 0 gets a pipelined plain stretch instead."""
+        a policy asking for k = 0 gets a pipelined plain stretch instead. However it ends (finished,
+        closed, stopped while prefilling), what the cache holds goes to the prefix tree, if there is one."""
         cfg = config or GenerationConfig()
         self._check_prompt(prompt, cfg.max_tokens)
+        try:
+            yield from self._cycles(prompt, cfg)
+        finally:
+            self.held.remember()
+
+    def _cycles(self, prompt: list[int], cfg: GenerationConfig) -> Iterator[Step]:
         sampling, drafter = cfg.sampling, self.drafter
         want_hidden = hidden_request(drafter)  # which target hidden states the drafter reads, or None
         default, own = members.policies(drafter, self.policy, self.member_policies, cfg.num_draft, self.max_draft)
@@ -287,12 +248,12 @@ class Engine:
         None: cfg.should_stop() ended the prefill."""
         t0 = time.perf_counter()
         self._history = list(prompt)
-        prefilled = self._prefill(prompt, cfg, want_hidden)
+        prefilled = self.held.prefill(prompt, cfg, want_hidden)
         if prefilled is None:
             self.stats.cancelled = True
             self.stats.prompt_time = time.perf_counter() - t0
             return None
-        logits, hidden = prefilled
+        logits, hidden, self.stats.reused_tokens = prefilled
         no_draft = _no_draft()
         out = self._choose(logits, self._context(cfg.sampling, no_draft.tokens), no_draft, cfg.sampling, self._next_key())
         first = host.read(out)[1]
@@ -341,7 +302,7 @@ class Engine:
         the whole prefix."""
         if self._replay:
             _, h = self.target.forward(mx.array(self._replay, dtype=mx.int32), self.cache, want_hidden)
-            self._fed(self._replay, h)
+            self.held.fed(self._replay, h)
             self._replay = []
 
     def _accept(self, logits, draft: Draft, sampling: SamplingConfig, profile: bool):
@@ -383,7 +344,7 @@ class Engine:
         first = self._replay + [self._last]
         self._replay = []
         token, window, hidden = step(mx.array(first, dtype=mx.int32), mx.array(self._history[:-1][-width:], dtype=mx.int32))
-        self._fed(first, hidden)
+        self.held.fed(first, hidden)
         host.start(token)
         for i in range(n_tokens):
             t_cycle = time.perf_counter()
@@ -399,7 +360,7 @@ class Engine:
                 if until is not None and i + 1 < n_tokens - 1 and until():
                     n_tokens = i + 2  # token i + 1 is in flight: it ends the stretch
             if i + 1 < n_tokens:  # the step built above has fed `tok`
-                self._fed([tok], hidden)
+                self.held.fed([tok], hidden)
             self._last = tok
             emitted, stopped = self._emit([tok], cfg)
             stats.record_cycle(0, 0, len(emitted))

@@ -1,0 +1,218 @@
+"""A prefix cache shared across requests: a radix tree over token ids whose edges hold the KV entries of
+their tokens, bounded by a memory budget, least recently used leaves evicted first.
+
+Agents resend the whole conversation every turn and editors the same file; the keys and values of a
+prompt's first n tokens depend on those n tokens only, so any request whose prompt starts with a cached
+run of tokens can start from a copy of their entries instead of prefilling them again.
+
+    tree: root -> edge "sys prompt + turn 1" -> edge "turn 2 ..." (branches where two prompts part)
+
+An edge holds, per layer, the cache state of its tokens (keys/values [1, H, n, D], or a quantized cache's
+(data, scales, biases) triples: any tuple tree whose arrays have the token axis at -2) and optionally the
+target hidden rows a drafter reads ([n, H']). Edges split at the token where a new sequence leaves them,
+so reuse is exact to the token. Stored arrays are copies: the tree never keeps a live cache alive.
+
+Only caches whose entries are a function of their own tokens (KVCache, QuantizedKVCache) can be cached
+this way; `supported(cache)` says why not for the rest (recurrent states, rotating windows).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+from mlx.utils import tree_flatten, tree_map
+
+from .. import host
+
+
+def _slice(state, start: int, end: int | None = None):
+    """Positions start..end of every array in a layer's state (token axis -2), as copies."""
+    return tree_map(lambda a: mx.contiguous(a[..., start:end, :]), state)
+
+
+def _concat(states: list):
+    """Layer states of consecutive runs of tokens, joined along the token axis."""
+    if len(states) == 1:
+        return states[0]
+    flat = [tree_flatten(s) for s in states]
+    joined = [mx.concatenate([f[i][1] for f in flat], axis=-2) for i in range(len(flat[0]))]
+    it = iter(joined)
+    return tree_map(lambda _: next(it), states[0])
+
+
+def _nbytes(tree) -> int:
+    return sum(a.nbytes for _, a in tree_flatten(tree))
+
+
+def supported(cache: list) -> str | None:
+    """None when every layer of this single-sequence cache can be stored by prefix, else why not."""
+    from mlx_lm.models.cache import KVCache, QuantizedKVCache
+
+    for c in cache:
+        if type(c) not in (KVCache, QuantizedKVCache):
+            return f"its cache has {type(c).__name__} layers, whose state is not a function of a prefix's tokens alone"
+    return None
+
+
+def layer_states(cache: list, n: int) -> list:
+    """The first n positions of each layer of a single-sequence KVCache / QuantizedKVCache (views)."""
+    return [tree_map(lambda a: a[..., :n, :], (c.keys, c.values)) for c in cache]
+
+
+def fill(cache: list, states: list, n: int) -> None:
+    """Load n positions of layer states into fresh single-sequence caches (the inverse of layer_states)."""
+    for c, (keys, values) in zip(cache, states):
+        c.keys, c.values, c.offset = keys, values, n
+
+
+class _Node:
+    __slots__ = ("tokens", "layers", "hidden", "children", "parent", "used", "nbytes")
+
+    def __init__(self, tokens: list[int], layers: list, hidden, parent: "_Node | None"):
+        self.tokens, self.layers, self.hidden, self.parent = tokens, layers, hidden, parent
+        self.children: dict[int, _Node] = {}
+        self.used = 0
+        self.nbytes = _nbytes(layers) + (hidden.nbytes if hidden is not None else 0)
+
+
+@dataclass
+class Hit:
+    """What a lookup found: the first n tokens' layer states [1, H, n, D] (per layer) and hidden rows."""
+
+    n: int
+    layers: list | None = None
+    hidden: mx.array | None = None
+
+
+class PrefixCache:
+    """Radix tree of cached prefixes. Call from one thread (the engine's)."""
+
+    def __init__(self, budget_bytes: int, with_hidden: bool = False, min_tokens: int = 16):
+        """budget_bytes: the most the stored entries may hold (least recently used leaves go first).
+        with_hidden: store and return the target hidden rows a drafter reads along with the entries.
+        min_tokens: shorter hits are not worth a copy (returned as n = 0)."""
+        self.budget = int(budget_bytes)
+        self.with_hidden = with_hidden
+        self.min_tokens = min_tokens
+        self.root = _Node([], [], None, None)
+        self.nbytes = 0
+        self._tick = 0
+        self.lookups = self.hits = self.hit_tokens = self.evicted_tokens = 0
+
+    # -- reading -----------------------------------------------------------------------------------------
+    def _walk(self, tokens: list[int]):
+        """[(node, tokens matched on its edge)] along the longest cached prefix of tokens."""
+        path, node, pos = [], self.root, 0
+        while pos < len(tokens):
+            child = node.children.get(tokens[pos])
+            if child is None:
+                break
+            m = 0
+            edge = child.tokens
+            while m < len(edge) and pos + m < len(tokens) and edge[m] == tokens[pos + m]:
+                m += 1
+            path.append((child, m))
+            pos += m
+            if m < len(edge):
+                break
+            node = child
+        return path
+
+    def match(self, tokens: list[int]) -> int:
+        """How many leading tokens of `tokens` are cached (nothing copied)."""
+        return sum(m for _, m in self._walk(tokens))
+
+    def lookup(self, tokens: list[int]) -> Hit:
+        """The longest cached prefix of `tokens`: its layer states (lazy copies) and hidden rows."""
+        self.lookups += 1
+        path = self._walk(tokens)
+        n = sum(m for _, m in path)
+        if n < self.min_tokens:
+            return Hit(0)
+        self._tick += 1
+        for node, _ in path:
+            node.used = self._tick
+        parts = [node.layers if m == len(node.tokens) else [_slice(s, 0, m) for s in node.layers] for node, m in path]
+        layers = [_concat([p[i] for p in parts]) for i in range(len(parts[0]))]
+        hidden = None
+        if self.with_hidden:
+            hidden = mx.concatenate([node.hidden[:m] for node, m in path]) if len(path) > 1 else path[0][0].hidden[:n]
+        self.hits += 1
+        self.hit_tokens += n
+        return Hit(n, layers, hidden)
+
+    # -- writing -----------------------------------------------------------------------------------------
+    def insert(self, tokens: list[int], layers: list, hidden: mx.array | None = None) -> int:
+        """Store the entries of `tokens` (layers: per layer, a state holding at least len(tokens) positions,
+        e.g. layer_states(cache, n); hidden: their hidden rows when the tree keeps them). Only the part not
+        cached yet is copied. Returns the tokens newly stored."""
+        if self.with_hidden and hidden is None:
+            raise ValueError("this prefix cache keeps hidden rows: insert needs them")
+        path = self._walk(tokens)
+        self._tick += 1
+        node, pos = self.root, 0
+        for child, m in path:
+            if m < len(child.tokens):  # the new sequence leaves this edge at m: split it there
+                child = self._split(child, m)
+            child.used = self._tick
+            node, pos = child, pos + m
+        if pos >= len(tokens):
+            return 0
+        new = _Node(list(tokens[pos:]), [_slice(s, pos, len(tokens)) for s in layers],
+                    mx.contiguous(hidden[pos : len(tokens)]) if self.with_hidden else None, node)
+        new.used = self._tick
+        node.children[tokens[pos]] = new
+        self.nbytes += new.nbytes
+        host.wait(new.layers, *([new.hidden] if new.hidden is not None else []))  # copy now: the source moves on
+        self._evict(keep=new)
+        return len(tokens) - pos
+
+    def _split(self, node: _Node, m: int) -> _Node:
+        """Cut node's edge after m tokens: returns the new upper node (the old one keeps the rest)."""
+        upper = _Node(node.tokens[:m], [_slice(s, 0, m) for s in node.layers],
+                      mx.contiguous(node.hidden[:m]) if node.hidden is not None else None, node.parent)
+        upper.used = node.used
+        node.parent.children[node.tokens[0]] = upper
+        rest = _Node(node.tokens[m:], [_slice(s, m) for s in node.layers],
+                     mx.contiguous(node.hidden[m:]) if node.hidden is not None else None, upper)
+        rest.used, rest.children = node.used, node.children
+        for c in rest.children.values():
+            c.parent = rest
+        upper.children[rest.tokens[0]] = rest
+        self.nbytes += upper.nbytes + rest.nbytes - node.nbytes
+        return upper
+
+    def _evict(self, keep: _Node | None = None) -> None:
+        """Drop least recently used leaves until the budget holds; `keep` (the edge just stored) last."""
+        while self.nbytes > self.budget:
+            leaves = [n for n in self._nodes() if not n.children]
+            if not leaves:
+                return
+            others = [n for n in leaves if n is not keep]
+            self._remove(min(others, key=lambda n: n.used) if others else keep)
+
+    def _remove(self, node: _Node) -> None:
+        del node.parent.children[node.tokens[0]]
+        self.nbytes -= node.nbytes
+        self.evicted_tokens += len(node.tokens)
+
+    def _nodes(self):
+        stack = list(self.root.children.values())
+        while stack:
+            n = stack.pop()
+            yield n
+            stack.extend(n.children.values())
+
+    def clear(self) -> None:
+        self.root.children.clear()
+        self.nbytes = 0
+
+    @property
+    def tokens(self) -> int:
+        """Token positions stored (a token shared by several prompts counts once)."""
+        return sum(len(n.tokens) for n in self._nodes())
+
+    def status(self) -> dict:
+        return {"bytes": self.nbytes, "budget_bytes": self.budget, "tokens": self.tokens, "lookups": self.lookups,
+                "hits": self.hits, "hit_tokens": self.hit_tokens, "evicted_tokens": self.evicted_tokens}
