@@ -12,12 +12,14 @@ Bounded: --max-seconds per cell (a cell cut short says so).
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
 
-from ..args import ArgumentParser, count, int_list
+from ..args import ArgumentParser, count, fail, int_list, interrupted
+from ..drafters.registry import KINDS, DrafterError, make_drafter
+from ..models import ModelLoadError
+from .report import BenchInputError, writable_file
 
 
 def run_cell(engine, prompts: list[list[int]], clients: int, per_client: int, max_tokens: int, stop, limit: float):
@@ -59,7 +61,7 @@ def run_cell(engine, prompts: list[list[int]], clients: int, per_client: int, ma
 def main(argv=None) -> int:
     ap = ArgumentParser(prog="python -m mlx_engine.bench.batching", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", help="model (default: the embedded one with its MTP head)")
-    ap.add_argument("--drafter", default="mtp", help="drafter for speculation on (default mtp)")
+    ap.add_argument("--drafter", default="mtp", choices=KINDS[1:], help="drafter for speculation on (default mtp)")
     ap.add_argument("--clients", type=int_list(1), default=[1, 2, 4, 8], help="concurrent clients (default 1,2,4,8)")
     ap.add_argument("--requests", type=count(1), default=2, help="requests per client (default 2)")
     ap.add_argument("--max-tokens", type=count(1), default=64, help="max tokens per request (default 64)")
@@ -70,28 +72,49 @@ def main(argv=None) -> int:
     ap.add_argument("--suite", default="chat", help="prompt suite in bench/prompts (default chat)")
     ap.add_argument("--repeats", type=count(1), default=1, help="rounds over all cells (default 1)")
     ap.add_argument("--json", help="write the results here too")
-    args = ap.parse_args(argv)
-
-    from ..core.batch_engine import BatchEngine
-    from ..drafters.registry import make_drafter
-    from ..models import load
-    from .suite import load_prompts
-
+    try:
+        args = ap.parse_args(argv)
+    except SystemExit as e:  # --help, or a bad flag (one `error:` line printed)
+        return e.code
     modes = args.modes.split(",")
     for mode in modes:
         k, _, inv = mode.partition(":")
         if not (k in ("off", "auto") or k.isdigit()) or inv not in ("", "inv"):
-            ap.error(f"--modes: {mode!r} is not off, auto or a k >= 0, optionally with ':inv'")
+            return fail(f"--modes: {mode!r} is not off, auto or a k >= 0, optionally with ':inv'")
+    try:
+        return run(args, modes)
+    except (BenchInputError, ModelLoadError) as e:
+        return fail(str(e))
+    except KeyboardInterrupt:
+        return interrupted()
+
+
+def drafter_for(kind: str, loaded):
+    """The registry's drafter of `kind`; one the model cannot have (no MTP head, ...) is bad input."""
+    try:
+        return make_drafter(kind, loaded)
+    except (DrafterError, ValueError, ImportError) as e:
+        raise BenchInputError(f"--drafter {kind}: {e}") from None
+
+
+def run(args, modes: list[str]) -> int:
+    from ..core.batch_engine import BatchEngine
+    from ..models import load
+    from .suite import load_prompts, suite_file
+
+    suite_file(args.suite)  # the cheap checks before the model loads
+    if args.json:
+        writable_file(args.json, "--json")
     loaded = load(args.model)
     prompts = load_prompts(args.suite, 16, loaded.tokenizer)
     stop = frozenset(getattr(loaded.tokenizer, "eos_token_ids", None) or ())
-    copies = {"": (loaded, make_drafter(args.drafter, loaded))}  # the patch is in place: a copy for ':inv'
+    copies = {"": (loaded, drafter_for(args.drafter, loaded))}  # the patch is in place: a copy for ':inv'
     engines = {}
     for mode in modes:
         k, _, inv = mode.partition(":")
         if inv not in copies:
             again = load(args.model)
-            copies[inv] = (again, make_drafter(args.drafter, again))
+            copies[inv] = (again, drafter_for(args.drafter, again))
         model, drafter = copies[inv][0].model, copies[inv][1]
         nd = 0 if k == "off" else ("auto" if k == "auto" else int(k))
         engines[mode] = BatchEngine(model, None if k == "off" else drafter, num_draft=nd,

@@ -13,7 +13,6 @@ acceptance per draft position, peak memory.
 """
 
 import json
-import platform
 import statistics
 import sys
 import time
@@ -21,14 +20,13 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from .. import _platform
 from ..args import ArgumentParser, count, fail, float_list, int_list, interrupted
 from ..drafters.draft_model import DraftModelDrafter
 from ..drafters.ngram import NgramDrafter
 from ..core.engine import Engine
 from ..models import ModelLoadError, load
-from .chart import speedup_chart
 from .modes import Mode, Result, run_engine, run_mlx_lm
+from .report import BenchInputError, machine, print_table, writable_file, write_outputs
 
 PROMPTS = Path(__file__).resolve().parents[2] / "bench" / "prompts"
 BASELINES = ("mlx-lm plain", "engine plain")
@@ -39,10 +37,6 @@ def default_out() -> Path:
     from ..models.default import cache_dir
 
     return cache_dir() / "bench" / "latest.json"
-
-
-class BenchInputError(ValueError):
-    """A flag or file the bench cannot use; reported as one `error:` line, exit status 2."""
 
 
 def truncated_copy(model, n_layers: int):
@@ -180,43 +174,6 @@ def summarise(results: list[Result]) -> dict:
     }
 
 
-def machine() -> dict:
-    import importlib.metadata as md
-
-    def version(p):
-        try:
-            return md.version(p)
-        except md.PackageNotFoundError:
-            return None
-
-    return {
-        "platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-        "python": platform.python_version(), "mlx": version("mlx"), "mlx-lm": version("mlx-lm"),
-        "device": str(mx.default_device()), "openblas": _platform.OPENBLAS,
-        "cpu_count": __import__("os").cpu_count(),
-    }
-
-
-def print_table(rows: list[dict]) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(title="decode speed (median over trials)")
-    for col in ("mode", "temp", "tok/s", "vs mlx-lm", "vs plain", "e2e vs mlx-lm", "accept", "E", "C", "S", "per position",
-                "peak MB"):
-        table.add_column(col, justify="left" if col in ("mode", "per position") else "right")
-    def x(v):  # a speedup, or "-" when its baseline did not run
-        return "-" if v is None else f"{v:.2f}x"
-
-    for r in rows:
-        acc = "-" if r["acceptance"] is None else f"{r['acceptance']:.2f}"
-        per = " ".join(f"{a:.2f}" for a in r["acceptance_per_position"][:6])
-        table.add_row(r["mode"], f"{r['temp']:g}", f"{r['tok_s']:.2f}", x(r["speedup_vs_mlx_lm_plain"]),
-                      x(r["speedup_vs_engine_plain"]), x(r["e2e_speedup_vs_mlx_lm_plain"]), acc,
-                      f"{r['E']:.2f}", f"{r['C']:.2f}", f"{r['S']:.2f}", per, f"{r['peak_memory_mb']:.0f}")
-    Console(width=170).print(table)
-
-
 def parser() -> ArgumentParser:
     ap = ArgumentParser(prog="python -m mlx_engine.bench", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", help="model (default: the embedded SmolLM2-135M-Instruct, fp32)")
@@ -278,7 +235,15 @@ def load_draft(spec: str, model):
 def run(args, argv) -> int:
     from rich.progress import Progress
 
-    suite_file(args.suite)  # the cheap checks before the model loads
+    suite_file(args.suite)  # the cheap checks before the model loads: the suite, where the results go
+    out = writable_file(args.out or default_out(), "--out")
+    chart = writable_file(args.chart or out.with_suffix(".png"), "--chart")
+    from .chart import INSTALL
+
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        print(f"note: matplotlib is not installed: no chart this run ({INSTALL})", file=sys.stderr)
     loaded = load(args.model)  # None: the embedded default
     model, tok = loaded.model, loaded.tokenizer
     draft_model = load_draft(args.draft_model, model)
@@ -299,7 +264,6 @@ def run(args, argv) -> int:
     stop = frozenset() if args.ignore_eos else frozenset(getattr(tok, "eos_token_ids", None) or ())
     modes = build_modes(args, model, draft_model, mtp, random_mtp, registry_drafters(args, loaded, mtp is not None), stop)
     temps = args.temps
-    out = Path(args.out) if args.out else default_out()
     results = {(m.name, t): [] for m in modes for t in temps}
     warm = min(args.warmup_prompts or len(prompts), len(prompts))
     total = (args.trials * len(prompts) + warm) * len(modes) * len(temps)
@@ -349,17 +313,8 @@ def run(args, argv) -> int:
                          "C": c, "S": best["E"] / c if c else 0.0})
     print_table(rows)
 
-    out.parent.mkdir(parents=True, exist_ok=True)
     report = {"command": "python -m mlx_engine.bench " + " ".join(argv if argv is not None else sys.argv[1:]),
               "date": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": machine(), "model": str(loaded.path),
               "args": vars(args), "prompts": len(prompts), "results": rows}
-    out.write_text(json.dumps(report, indent=1))
-    chart = Path(args.chart) if args.chart else out.with_suffix(".png")
-    names = [m.name for m in modes]
-    base = "mlx-lm plain" if "mlx-lm plain" in names else "engine plain"
-    key = "speedup_vs_mlx_lm_plain" if base == "mlx-lm plain" else "speedup_vs_engine_plain"
-    series = {f"temp {t:g}": [next(r[key] for r in rows if r["mode"] == n and r["temp"] == t) for n in names]
-              for t in temps}
-    speedup_chart(chart, names, series, f"speedup over {base}, {args.suite} suite")
-    print(f"wrote {out} and {chart}", file=sys.stderr)
+    write_outputs(report, out, chart)
     return 0

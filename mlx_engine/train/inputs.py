@@ -27,19 +27,22 @@ class TrainInputError(ValueError):
     """A flag or file a trainer cannot use; reported as one `error:` line, exit status 2."""
 
 
-def writable_dir(path: str | Path, flag: str = "--out") -> Path:
+def writable_dir(path: str | Path, flag: str = "--out", shown: str | Path | None = None) -> Path:
     """The output folder, created if needed, with a file written and removed there to prove it can hold
-    the results (a read-only place, a path under a file, a full disk: refused now, not after the run)."""
-    out = Path(path)
-    if out.exists() and not out.is_dir():
-        raise TrainInputError(f"{flag} {out}: is a file, not a folder")
+    the results (a read-only place, a path under a file, a full disk: refused now, not after the run).
+    `shown`: the path the error names (the file asked for, when `path` is its folder)."""
+    out = Path(path).expanduser()
+    shown = out if shown is None else shown
+    in_the_way = next((a for a in (out, *out.parents) if a.exists() and not a.is_dir()), None)
+    if in_the_way is not None:
+        raise TrainInputError(f"{flag} {shown}: {in_the_way} is a file, not a folder")
     try:
         out.mkdir(parents=True, exist_ok=True)
         probe = out / f".write-test-{os.getpid()}"
         probe.write_bytes(b"ok")
         probe.unlink()
     except OSError as e:
-        raise TrainInputError(f"{flag} {out}: cannot write there ({e.strerror or e})") from None
+        raise TrainInputError(f"{flag} {shown}: cannot write there ({e.strerror or e})") from None
     return out
 
 
