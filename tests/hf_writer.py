@@ -268,15 +268,29 @@ def _fp8_eligible(k: str, v: np.ndarray) -> bool:
 
 
 # -- files ---------------------------------------------------------------------------------------------
-_DT = {np.dtype(np.float32): "F32", np.dtype(np.int32): "I32", np.dtype(np.float16): "F16"}
+_DT = {np.dtype(np.float32): "F32", np.dtype(np.int32): "I32", np.dtype(np.float16): "F16",
+       np.dtype(np.int64): "I64", np.dtype(np.bool_): "BOOL"}
 
 
-def write_safetensors(path: Path, tensors: dict, fp8: set = frozenset()) -> None:
-    """Raw safetensors writer (names in `fp8` are uint8 bytes tagged F8_E4M3, as in HF FP8 checkpoints)."""
+def to_bf16(a: np.ndarray) -> np.ndarray:
+    """float32 -> bfloat16 bit patterns (uint16), rounded to nearest even as torch does."""
+    u = np.ascontiguousarray(a, dtype=np.float32).view(np.uint32)
+    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def from_bf16(b: np.ndarray) -> np.ndarray:
+    return (b.astype(np.uint32) << 16).view(np.float32)
+
+
+def write_safetensors(path: Path, tensors: dict, fp8: set = frozenset(), bf16: set = frozenset()) -> None:
+    """Raw safetensors writer (names in `fp8` are uint8 bytes tagged F8_E4M3, as in HF FP8 checkpoints;
+    names in `bf16` are float32 arrays stored as BF16, as most checkpoints are published)."""
     header, blobs, off = {}, [], 0
     for k in sorted(tensors):
         a = np.ascontiguousarray(tensors[k])
-        dt = "F8_E4M3" if k in fp8 else _DT[a.dtype]
+        if k in bf16:
+            a = to_bf16(a)
+        dt = "F8_E4M3" if k in fp8 else "BF16" if k in bf16 else _DT[a.dtype]
         b = a.tobytes()
         header[k] = {"dtype": dt, "shape": list(a.shape), "data_offsets": [off, off + len(b)]}
         blobs.append(b)
@@ -296,13 +310,15 @@ def read_safetensors(path: Path) -> dict:
     n = struct.unpack("<Q", raw[:8])[0]
     header = json.loads(raw[8:8 + n])
     data = raw[8 + n:]
-    dts = {"F32": np.float32, "F16": np.float16, "I32": np.int32, "F8_E4M3": np.uint8, "U8": np.uint8}
+    dts = {"F32": np.float32, "F16": np.float16, "I32": np.int32, "F8_E4M3": np.uint8, "U8": np.uint8,
+           "BF16": np.uint16, "I64": np.int64, "BOOL": np.bool_}
     out = {}
     for k, info in header.items():
         if k == "__metadata__":
             continue
         a, b = info["data_offsets"]
-        out[k] = np.frombuffer(data[a:b], dtype=dts[info["dtype"]]).reshape(info["shape"])
+        v = np.frombuffer(data[a:b], dtype=dts[info["dtype"]]).reshape(info["shape"])
+        out[k] = from_bf16(v) if info["dtype"] == "BF16" else v
     return out
 
 

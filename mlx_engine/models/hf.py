@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import glob
 import json
+import re
 from pathlib import Path
 
 import mlx.core as mx
@@ -63,6 +64,29 @@ def read_weights(folder: Path, keep=None) -> dict[str, mx.array]:
         for k, v in mx.load(str(f)).items():
             if keep is None or keep(k):
                 out[k] = v
+    return out
+
+
+def read_head_shards(folder: Path, keep) -> dict[str, mx.array]:
+    """The tensors `keep(name)` selects, read only from the shards that hold them (the index says which):
+    a folder may hold just those shards of a checkpoint. A shard the index names but the folder lacks, or
+    a truncated one, is named in the error."""
+    folder = Path(folder)
+    index = folder / "model.safetensors.index.json"
+    if not index.exists():
+        return read_weights(folder, keep)
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{index} is not a readable index ({e})") from None
+    shards = sorted({f for k, f in weight_map.items() if keep(k)})
+    absent = [f for f in shards if not (folder / f).is_file()]
+    if absent:
+        raise ValueError(f"{folder} lacks the shard(s) holding the MTP head: {', '.join(absent)}")
+    out: dict[str, mx.array] = {}
+    for f in shards:
+        check_complete(folder / f)
+        out.update({k: v for k, v in mx.load(str(folder / f)).items() if keep(k)})
     return out
 
 
@@ -136,14 +160,17 @@ def load_model(folder: Path, lazy: bool = False, strict: bool = True):
     def get_classes(config):
         model_cls, args_cls = _get_classes(config)
         pred = head_predicate(config)
-        if pred is None:
+        fp8 = ((config.get("quantization_config") or {}).get("quant_method") == "fp8"
+               or (text_config(config).get("quantization_config") or {}).get("quant_method") == "fp8")
+        if pred is None and not fp8:
             return model_cls, args_cls
         orig["cls"] = model_cls
 
         def sanitize(self, weights):
             kept = {}
             for k, v in weights.items():
-                (stash if pred(k) else kept)[k] = v
+                (stash if pred is not None and pred(k) else kept)[k] = v
+            kept = _published_forms(kept, config)
             if hasattr(model_cls, "sanitize"):
                 return model_cls.sanitize(self, kept)
             return kept
@@ -154,6 +181,23 @@ def load_model(folder: Path, lazy: bool = False, strict: bool = True):
     if "cls" in orig:
         model.__class__ = orig["cls"]
     return model, config, stash
+
+
+_PER_EXPERT = re.compile(r"^(.*\.mlp)\.experts\.0\.gate_proj\.weight$")
+_STACKED_HERE = {"qwen3_5_moe"}  # families whose mlx-lm sanitize reads only fused experts
+
+
+def _published_forms(weights: dict, config: dict) -> dict:
+    """The target's tensors in storage forms mlx-lm's sanitize does not read for every family: FP8 with
+    block scales (dequantised here to bf16, for any family), and per-expert experts of a family whose
+    sanitize takes only fused ones (Qwen3.5/3.6 MoE FP8 releases)."""
+    if any(k.endswith(".weight_scale_inv") for k in weights):
+        weights = dequantize_fp8(weights, fp8_block(config), dtype=mx.bfloat16)
+    if config.get("model_type") in _STACKED_HERE:
+        n = int(text_config(config).get("num_experts") or 0)
+        for k in [k for k in weights if _PER_EXPERT.match(k)]:
+            weights = stack_experts(weights, _PER_EXPERT.match(k).group(1), n)
+    return weights
 
 
 def quantize_like(module: nn.Module, weights: dict, bits: int, group_size: int, mode: str = "affine") -> None:

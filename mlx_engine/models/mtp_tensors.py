@@ -3,6 +3,7 @@ head's tensors aside so the target loads) and the MTP drafter (which builds the 
 
     FAMILIES[model_type] -> the family (one drafter file per family in drafters/mtp/)
     head_key_predicate(config)(hf_name) -> True for the head's tensors
+    copy_predicate(config)(hf_name) -> True for the head's copies of the target's own tensors
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ from __future__ import annotations
 from .config import text_config
 
 HEAD_FILE = "mtp.safetensors"  # a head kept beside the model (converted or trained here)
+HEAD_JSON = "mtp.json"  # its description (family, quantization, ...)
+HEAD_FORMAT = "mlx-engine-mtp-v1"  # metadata "format" of a head file in MLX names
 
 
 class MTPWeightsError(ValueError):
@@ -18,6 +21,14 @@ class MTPWeightsError(ValueError):
 
 class UnsupportedFamilyError(MTPWeightsError):
     """The model family has no MTP support here."""
+
+
+class MissingHeadError(MTPWeightsError):
+    """The checkpoint holds no MTP head weights."""
+
+
+class HeadMismatchError(MTPWeightsError):
+    """The head's tensors do not fit the target (missing, unexpected or wrongly shaped)."""
 
 
 FAMILIES = {  # model_type -> family
@@ -71,6 +82,30 @@ def head_key_predicate(config: dict, model_path=None):
     if family == "mimo":
         return lambda k: k.startswith(MIMO_PREFIX)
     return lambda k: k.startswith(QWEN_PREFIXES)  # qwen3_5, qwen3_next
+
+
+# Tensors stored in the head's prefix that are copies of the target's own (DeepSeek-V3 README_WEIGHTS.md:
+# "embed_tokens and shared_head share params with the main embedding and lm_head"): never read into the head
+# (the target's are used), never downloaded on their own. Step-3.5's shared_head.output is NOT one: each of
+# its heads has its own output layer.
+_COPIES = {
+    "deepseek_v3": ("embed_tokens.weight", "shared_head.head.weight"),
+    "glm4_moe": ("embed_tokens.weight", "shared_head.head.weight"),
+    "glm4_moe_lite": ("embed_tokens.weight", "shared_head.head.weight"),
+    "step3p5": ("embed_tokens.weight",),
+}
+
+
+def copy_predicate(config: dict):
+    """A predicate on HF names: the head's copies of the target's embedding / output layer."""
+    names = _COPIES.get(family_of(config), ())
+    is_head = head_key_predicate(config)
+
+    def pred(k: str) -> bool:
+        parts = k.split(".")
+        return is_head(k) and len(parts) > 3 and ".".join(parts[3:]) in names
+
+    return pred
 
 
 def head_predicate(config: dict):

@@ -3,10 +3,12 @@
     from mlx_engine.drafters.mtp import load_mtp_drafter
     drafter = load_mtp_drafter(model, model_path, config, mtp_weights=None)
 
-Where the head's weights come from, in order: `mtp_weights` (a safetensors file: HF names, or the MLX
-head file `convert` writes; or a GGUF file holding llama.cpp's nextn tensors, e.g. GLM-4.x),
-`<model_path>/mtp.safetensors` (written by `python -m mlx_engine convert`), else the HF-layout shards in
-`model_path`.
+Where the head's weights come from (sources.py): `mtp_weights` (a hub reference `hub:OWNER/NAME`, fetched
+once; a safetensors file in HF names or the MLX head file `convert` writes; a GGUF file holding llama.cpp's
+nextn tensors, e.g. GLM-4.x; a folder with a checkpoint's head shards), `<model_path>/mtp.safetensors`
+(written by `python -m mlx_engine convert`), the HF-layout shards in `model_path`, else a head fetched
+before for the model's base model. A head in its published layout is accounted for tensor by tensor
+(published.py): a tensor the head does not use is refused by name, a missing one named.
 """
 
 from __future__ import annotations
@@ -22,10 +24,11 @@ from mlx.utils import tree_flatten
 from ... import host
 from ...models import cast_floats
 from ...models.config import text_config
-from ...models.hf import dequantize_fp8, fp8_block, quantize_like, read_weights
-from ...models.mtp_tensors import FAMILIES, HEAD_FILE, MTPWeightsError, UnsupportedFamilyError, family_of, \
-    head_key_predicate
+from ...models.hf import dequantize_fp8, fp8_block, quantize_like
+from ...models.mtp_tensors import FAMILIES, HEAD_FILE, HEAD_FORMAT, HEAD_JSON, HeadMismatchError, MissingHeadError, \
+    MTPWeightsError, UnsupportedFamilyError, family_of
 from ..vocab_subset import SUBSET_KEY, check_subset_ids
+from . import published, sources
 from .drafter import MTPDrafter, MTPHead, MTPLayer
 
 __all__ = [
@@ -34,38 +37,12 @@ __all__ = [
     "HEAD_FILE", "HEAD_FORMAT", "HEAD_JSON",
 ]
 
-HEAD_JSON = "mtp.json"
-HEAD_FORMAT = "mlx-engine-mtp-v1"
-
-
-class MissingHeadError(MTPWeightsError):
-    """The checkpoint holds no MTP head weights."""
-
-
-class HeadMismatchError(MTPWeightsError):
-    """The head's tensors do not fit the target (missing, unexpected or wrongly shaped)."""
-
-
 SUPPORTED = FAMILIES  # model_type -> family file (models/mtp_tensors.py owns the table)
 
 
 def family_module(config: dict, model_path=None):
     """The drafter file of the config's family (how its head is built and its tensors renamed)."""
     return importlib.import_module(f"{__name__}.{family_of(config, model_path)}")
-
-
-def _check_head_file(path: Path) -> None:
-    """A head file given by the user: it must exist and be complete (named in the error, never blamed on
-    the model's family)."""
-    from ...models.hf import check_complete
-
-    if not path.is_file():
-        raise MissingHeadError(f"MTP weights file {path} does not exist")
-    if not _is_gguf(path):
-        try:
-            check_complete(path)
-        except ValueError as e:
-            raise MTPWeightsError(f"cannot read MTP weights file: {e}") from None
 
 
 def _float_dtype(model: nn.Module):
@@ -81,68 +58,18 @@ def head_weights_mlx(model: nn.Module, config: dict, hf_weights: dict) -> dict:
     tc = text_config(config)
     if not hf_weights:
         raise MissingHeadError(f"{config.get('model_type')}: no MTP head weights given")
+    unscaled = sorted(k + "_scale_inv" for k, v in hf_weights.items()
+                      if v.dtype == mx.uint8 and k + "_scale_inv" not in hf_weights)
+    if unscaled:  # FP8 bytes read without their block scales would load as garbage
+        raise HeadMismatchError(f"{config.get('model_type')}: FP8 tensors without their block scales: missing "
+                                f"{unscaled[:6]}{' ...' if len(unscaled) > 6 else ''}")
     w = dequantize_fp8(hf_weights, fp8_block(config))
     return fam.to_mlx(w, model, tc)
 
 
-def _is_gguf(path: Path) -> bool:
-    try:
-        with open(path, "rb") as f:
-            return f.read(4) == b"GGUF"
-    except OSError:
-        return False
-
-
-# GGUF general.architecture -> the model_types whose MTP head it can hold
-_GGUF_ARCHS = {"glm4moe": {"glm4_moe"}}
-
-
-def _read_gguf_head(path: Path, config: dict, dtype) -> dict:
-    """HF-named head tensors of a GGUF file with llama.cpp's nextn (MTP) layers, dequantized to `dtype`."""
-    from ...models.gguf import read_gguf, read_gguf_mtp_tensors
-
-    family = config.get("model_type")
-    try:
-        g = read_gguf(path)
-        weights = read_gguf_mtp_tensors(g, dtype, skip_copies=True)
-    except Exception as e:
-        raise MTPWeightsError(f"cannot read MTP weights file {path}: {e}") from e
-    if g.arch in _GGUF_ARCHS and family not in _GGUF_ARCHS[g.arch]:
-        raise HeadMismatchError(f"{path} is a GGUF of architecture {g.arch} but the target is {family}")
-    if not weights:
-        raise MissingHeadError(
-            f"{family}: {path} holds no MTP (nextn) tensors: --mtp-weights takes a GGUF only with llama.cpp's "
-            f"nextn layer (blk.N.nextn.*, N >= the target's layer count)"
-        )
-    unknown = sorted(k for k in weights if k.startswith("blk."))
-    if unknown:
-        raise HeadMismatchError(f"{family}: {path} has MTP layer tensors with no known equivalent: {unknown[:6]}")
-    return weights
-
-
-def _read_head_file(path: Path, config: dict, gguf_dtype=mx.float32):
-    """(weights, layout "mlx"|"hf", quantization dict|None) of a separate head file.
-
-    A GGUF file is read as HF-named tensors, dequantized to `gguf_dtype`."""
-    if _is_gguf(path):
-        return _read_gguf_head(path, config, gguf_dtype), "hf", None
-    try:
-        weights, meta = mx.load(str(path), return_metadata=True)
-    except Exception as e:
-        raise MTPWeightsError(f"cannot read MTP weights file {path}: {e}") from e
-    meta = meta or {}
-    if meta.get("format") == HEAD_FORMAT or all(k.startswith("layers.") for k in weights):
-        fam = meta.get("family")
-        if fam and SUPPORTED.get(config.get("model_type")) != SUPPORTED.get(fam, fam):
-            raise HeadMismatchError(
-                f"{path} holds a {fam} MTP head but the target is {config.get('model_type')}"
-            )
-        q = json.loads(meta["quantization"]) if meta.get("quantization") else None
-        return weights, "mlx", q
-    return weights, "hf", None
-
-
-def _check_fit(head: MTPHead, weights: dict, family: str, source: str) -> None:
+def _check_fit(head: MTPHead, weights: dict, family: str, source: str, name_of=None) -> None:
+    """Every parameter filled with the right shape, nothing left over. `name_of(mlx_key)`: the published
+    name a missing parameter should have come from (a head read in its HF layout)."""
     want = dict(tree_flatten(head.parameters()))
     missing = sorted(set(want) - set(weights))
     extra = sorted(set(weights) - set(want))
@@ -151,7 +78,8 @@ def _check_fit(head: MTPHead, weights: dict, family: str, source: str) -> None:
     if missing or extra or bad:
         parts = []
         if missing:
-            parts.append(f"missing {missing[:6]}{' ...' if len(missing) > 6 else ''}")
+            names = [name_of(k) for k in missing] if name_of else missing
+            parts.append(f"missing {names[:6]}{' ...' if len(missing) > 6 else ''}")
         if extra:
             parts.append(f"unexpected {extra[:6]}{' ...' if len(extra) > 6 else ''}")
         if bad:
@@ -159,36 +87,13 @@ def _check_fit(head: MTPHead, weights: dict, family: str, source: str) -> None:
         raise HeadMismatchError(f"{family}: the MTP head in {source} does not fit the target: " + "; ".join(parts))
 
 
-def _trained_head_file(model_path, mtp_weights) -> Path | None:
-    """The head file if it holds a head trained here (metadata family "trained"), else None."""
-    from .trained import is_trained
-
-    if mtp_weights is not None:
-        path = Path(mtp_weights)
-    elif model_path is not None:
-        path = Path(model_path) / HEAD_FILE
-        try:  # mtp.json next to the model says so without opening the weights
-            if json.loads((Path(model_path) / HEAD_JSON).read_text()).get("family") == "trained":
-                return path if path.is_file() else None
-        except (OSError, ValueError):
-            pass
-    else:
-        return None
-    if not path.is_file() or _is_gguf(path):  # a GGUF head is never one trained here
-        return None
-    try:
-        _, meta = mx.load(str(path), return_metadata=True)
-    except Exception as e:
-        raise MTPWeightsError(f"cannot read MTP weights file {path}: {e}") from e
-    return path if is_trained(meta) else None
-
-
-def _fill(head: MTPHead, weights: dict, quant: dict | None, family: str, source: str, model: nn.Module, dtype) -> None:
+def _fill(head: MTPHead, weights: dict, quant: dict | None, family: str, source: str, model: nn.Module, dtype,
+          name_of=None) -> None:
     """Quantize the head like its file, check the weights fit, load them, cast floats to `dtype`
     ("auto": the target's float dtype)."""
     if quant:
         quantize_like(head, weights, quant["bits"], quant["group_size"], quant.get("mode", "affine"))
-    _check_fit(head, weights, family, source)
+    _check_fit(head, weights, family, source, name_of)
     head.load_weights(list(weights.items()))
     if dtype == "auto":
         dtype = _float_dtype(model)
@@ -225,13 +130,14 @@ def _load_trained(model: nn.Module, config: dict, path: Path, dtype) -> MTPHead:
 
 def load_head(model: nn.Module, model_path, config: dict, mtp_weights=None, dtype="auto") -> MTPHead:
     """Build the family's head and load its weights (see the module docstring for where from)."""
+    mtp_weights = sources.resolve(mtp_weights, model_path)
     if mtp_weights is not None:
-        _check_head_file(Path(mtp_weights))
+        sources.check_head_file(Path(mtp_weights))
     elif model_path is not None and Path(model_path).is_file():  # a GGUF: no folder to find a head in,
         from ...models.default import matching_head  # but a head shipped here may match it
 
         mtp_weights = matching_head(model_path, config)
-    trained_file = _trained_head_file(model_path, mtp_weights)
+    trained_file = sources.trained_head_file(model_path, mtp_weights)
     if trained_file is not None:
         return _load_trained(model, config, trained_file, dtype)
     if mtp_weights is not None and config.get("model_type") not in SUPPORTED:
@@ -239,41 +145,21 @@ def load_head(model: nn.Module, model_path, config: dict, mtp_weights=None, dtyp
             f"{mtp_weights} does not fit this {config.get('model_type')} model: a family without native MTP "
             f"heads takes only a head trained by `python -m mlx_engine train-mtp` (metadata family=trained)")
     fam = family_module(config, model_path)
-    family = config.get("model_type")
+    family, group = config.get("model_type"), family_of(config)
     tc = text_config(config)
-    quant = None
-    if mtp_weights is not None:
-        path = Path(mtp_weights)
-        if not path.is_file():
-            raise MissingHeadError(f"{family}: MTP weights file {path} does not exist")
-        gguf_dtype = dtype if isinstance(dtype, mx.Dtype) else _float_dtype(model)
-        weights, layout, quant = _read_head_file(path, config, gguf_dtype)
-        if layout == "hf":
-            pred = head_key_predicate(config)
-            weights = {k: v for k, v in weights.items() if pred(k)}
-            if not weights:
-                raise MissingHeadError(f"{family}: {path} holds no MTP head tensors of this family")
-        source = str(path)
-    else:
-        folder = Path(model_path) if model_path is not None else None
-        if folder is not None and (folder / HEAD_FILE).is_file():
-            weights, layout, quant = _read_head_file(folder / HEAD_FILE, config)
-            source = str(folder / HEAD_FILE)
-        else:
-            weights = read_weights(folder, head_key_predicate(config)) if folder is not None else {}
-            layout, source = "hf", str(folder)
-            if not weights:
-                raise MissingHeadError(
-                    f"{family}: {folder} has no MTP head weights (no {HEAD_FILE}, no head tensors in the "
-                    f"safetensors shards; MLX community conversions strip them). Load the original HF "
-                    f"checkpoint or pass --mtp-weights PATH"
-                )
-    if layout == "hf":
+    src = sources.read_source(model_path, config, mtp_weights,
+                              dtype if isinstance(dtype, mx.Dtype) else _float_dtype(model))
+    weights, name_of = src.weights, None
+    if src.layout == "hf":
         weights = head_weights_mlx(model, config, weights)
     head = fam.build(model, tc, set(weights))
     if not head.layers:
-        raise MissingHeadError(f"{family}: no MTP layers found in {source}")
-    _fill(head, weights, quant, family, source, model, dtype)
+        raise MissingHeadError(f"{family}: no MTP layers found in {src.where}")
+    if src.layout == "hf":
+        mlx_keys = [k for k, _ in tree_flatten(head.parameters())]
+        published.check_consumed(group, mlx_keys, src.hf_keys, config, tc, src.where)
+        name_of = lambda k: published.first_name(group, k, tc)  # noqa: E731
+    _fill(head, weights, src.quant, family, src.where, model, dtype, name_of)
     head.eval()
     host.wait(head.parameters())  # load time, not the loop
     return head

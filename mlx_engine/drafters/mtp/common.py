@@ -31,8 +31,9 @@ def has_moe(keys, i: int) -> bool:
 
 
 def add_one(v: mx.array) -> mx.array:
-    """Zero-centred norm weight w -> 1 + w (computed in float32, cast back)."""
-    return (v.astype(mx.float32) + 1.0).astype(v.dtype)
+    """Zero-centred norm weight w -> 1 + w, kept in float32: in BF16, 1 + w keeps only 8 bits of w
+    (transformers computes x * (1 + w.float()))."""
+    return v.astype(mx.float32) + 1.0
 
 
 def deepseek_style(hf: dict, model: nn.Module, first: int, family: str, zero_centred: bool = False,
@@ -72,7 +73,11 @@ def deepseek_style(hf: dict, model: nn.Module, first: int, family: str, zero_cen
                 if sub_prefix and rest.startswith(sub_prefix):
                     rest = rest[len(sub_prefix):]
                 block[f"model.layers.{j}.{rest}"] = v
-        sanitized = type(model).sanitize(model, block) if hasattr(model, "sanitize") else block
+        try:
+            sanitized = type(model).sanitize(model, block) if hasattr(model, "sanitize") else block
+        except KeyError as e:  # e.g. one expert of the stack missing: name it as published
+            missing = str(e.args[0]).replace(f"model.layers.{j}.", pre, 1) if e.args else "?"
+            raise MTPWeightsError(f"{family}: the MTP head lacks {missing}") from None
         bpre = f"model.layers.{j}."
         for k, v in sanitized.items():
             if not k.startswith(bpre):

@@ -44,7 +44,11 @@ def qwen_to_mlx(hf: dict, tc: dict, family: str) -> dict:
             continue
         else:
             raise MTPWeightsError(f"{family}: unexpected MTP tensor mtp.{k}")
-    return stack_experts(out, "layers.0.block.mlp", int(tc.get("num_experts", 0) or 0))
+    try:
+        return stack_experts(out, "layers.0.block.mlp", int(tc.get("num_experts", 0) or 0))
+    except KeyError as e:  # one expert of the stack missing: name it as published
+        missing = str(e.args[0]).replace("layers.0.block.", "mtp.layers.0.", 1) if e.args else "?"
+        raise MTPWeightsError(f"{family}: the MTP head lacks {missing}") from None
 
 
 def to_mlx(hf: dict, model: nn.Module, tc: dict) -> dict:
