@@ -1,4 +1,10 @@
-"""The chat app: conversation (streamed Markdown), input box, live speculation stats, key bindings."""
+"""The chat app: conversation (streamed Markdown), input box, live speculation stats, key bindings.
+
+The model loads in the background (widgets.LoadingPanel above the input): what is typed meanwhile is
+queued, shown as queued, and sent once the model has loaded. A prompt that does not fit the model's
+context window is refused with a message before anything is sent to the engine; a long prompt shows its
+prefill as a progress bar, and Esc stops it between two chunks.
+"""
 
 from dataclasses import dataclass
 
@@ -7,20 +13,17 @@ from textual.binding import Binding
 from textual.containers import Horizontal, VerticalScroll
 from textual.widgets import Footer, Header, Input
 
+from .controls import Controls
 from .messages import (
     GenerationFinished, GenerationProgress, GenerationStarted, ModelLoaded, ModelLoadFailed, ModelLoading,
-    TurnTiming,
+    PrefillProgress,
 )
-from .screens import LoadingScreen, OpenModelScreen
+from .screens import OpenModelScreen
 from .settings import Settings
-from .widgets import AssistantMessage, StatsPanel, SystemMessage, UserMessage
+from .speedup import SpeedupPairs
+from .widgets import AssistantMessage, LoadingPanel, StatsPanel, SystemMessage, UserMessage
 from .worker import EngineWorker, GenerateRequest, LoadRequest
 
-AUTO_START_K = 1  # what auto drafts before it has evidence (policy.py: optimistic start); +/- start from it
-
-TEMP_STEP = 0.1
-RESTORED_LABELS = {"num_draft": "k", "temperature": "temp", "speculation": "spec", "color_drafts": "colour drafts",
-                   "max_tokens": "max tokens", "draft_model": "draft model"}
 REASONS = {"stopped": "stopped", "eos": "", "max_tokens": "max tokens reached", "error": "error"}
 
 
@@ -30,7 +33,7 @@ class AppOptions:
     save_settings: bool = True
 
 
-class ChatApp(App):
+class ChatApp(Controls, App):
     TITLE = "mlx-engine"
     ENABLE_COMMAND_PALETTE = False
     CSS = """
@@ -45,10 +48,11 @@ class ChatApp(App):
     AssistantMessage .colored { height: auto; }
     SystemMessage { color: $text-muted; margin: 1 0 0 0; padding: 0 1; }
     SystemMessage.error { color: $text-error; border: round $error; }
-    LoadingScreen, OpenModelScreen { align: center middle; }
-    #loading-box { width: 70; height: auto; border: thick $primary; padding: 1 2; background: $surface; }
-    #loading-box LoadingIndicator { height: 3; }
-    #loading-title, #open-title { text-style: bold; margin: 0 0 1 0; }
+    SystemMessage.queued { color: $text-warning; }
+    LoadingPanel { height: auto; border: thick $primary; padding: 0 2; margin: 0 1; background: $surface; }
+    LoadingPanel LoadingIndicator { height: 1; }
+    #loading-title, #open-title { text-style: bold; }
+    OpenModelScreen { align: center middle; }
     #open-box { width: 80; height: auto; border: thick $primary; padding: 1 2; background: $surface; }
     #open-buttons { height: auto; margin: 1 0 0 0; }
     #open-buttons Button { margin: 0 2 0 0; }
@@ -58,9 +62,11 @@ class ChatApp(App):
         Binding("f2", "toggle_speculation", "Spec"),
         Binding("f3", "draft_less", "k-"),
         Binding("f4", "draft_more", "k+"),
+        Binding("f8", "draft_auto", "k auto"),
         Binding("f5", "temp_down", "Temp-"),
         Binding("f6", "temp_up", "Temp+"),
         Binding("f7", "toggle_colors", "Colours"),
+        Binding("ctrl+r", "answer_again", "Again"),
         Binding("ctrl+n", "new_chat", "New chat"),
         Binding("ctrl+o", "switch_model", "Model"),
         Binding("ctrl+q", "quit", "Quit", priority=True),
@@ -80,9 +86,10 @@ class ChatApp(App):
         self.turn = 0
         self.history: list[dict] = []
         self.current: AssistantMessage | None = None
-        self.totals = TurnTiming()  # finished turns since the model was loaded
-        self.turn_timing = TurnTiming()
-        self.loading: LoadingScreen | None = None
+        self.pairs = SpeedupPairs()  # finished turns since the model was loaded, by prompt
+        self.turn_key = ""  # what the running turn answers (speedup.prompt_key)
+        self.loading: LoadingPanel | None = None
+        self.queued: list[tuple[str, SystemMessage]] = []  # typed while loading: (text, its "queued" note)
 
     # -- layout --------------------------------------------------------------------------------------
     def compose(self) -> ComposeResult:
@@ -107,51 +114,11 @@ class ChatApp(App):
     def effective_k(self) -> int | str:
         return self.settings.num_draft
 
-    def _k_label(self) -> str:
-        k = self.settings.num_draft
-        if k == "auto":
-            return "auto (adaptive)"
-        return str(k)
-
-    def _push_live(self) -> None:
-        self.worker_thread.set_live(self.settings.num_draft, self.settings.speculation)
-        s = self.settings
-        self.query_one(StatsPanel).set_settings_line(
-            f"drafter {self.drafter_name} | k {self._k_label()} | spec {'on' if s.speculation else 'off'}\n"
-            f"temp {s.temperature:.1f} | colour drafts {'on' if s.color_drafts else 'off'}" + self._restored_note(),
-            self._live_k(),
-        )
-
-    def _restored_note(self) -> str:
-        """Which settings came back from settings.json (while they are still in force), so none persists
-        silently."""
-        from .settings import settings_path
-
-        s = self.settings
-        kept = [f"{RESTORED_LABELS.get(name, name)} {'on' if v is True else 'off' if v is False else v}"
-                for name, v in s.restored.items() if getattr(s, name) == v]
-        if not kept:
-            return ""
-        return f"\nrestored from {settings_path().name}: {', '.join(kept)} (--reset: defaults)"
-
-    def _live_k(self) -> int:
-        """The draft length the next cycle uses (0 = plain decoding)."""
-        if not self.settings.speculation or self.drafter_name == "none":
-            return 0
-        k = self.settings.num_draft
-        return AUTO_START_K if k == "auto" else int(k)
-
-    def _save(self) -> None:
-        if self.options.save_settings:
-            err = self.settings.save()
-            if err:
-                self.notify(err, severity="warning")
-
     def _chat(self) -> VerticalScroll:
         return self.query_one("#chat", VerticalScroll)
 
-    def add_system(self, text: str, error: bool = False) -> SystemMessage:
-        msg = SystemMessage(text, classes="error" if error else "")
+    def add_system(self, text: str, error: bool = False, classes: str = "") -> SystemMessage:
+        msg = SystemMessage(text, classes=" ".join(c for c in ("error" if error else "", classes) if c))
         self._follow(self._chat().mount(msg))
         return msg
 
@@ -162,77 +129,107 @@ class ChatApp(App):
             chat.call_after_refresh(chat.scroll_end, animate=False)
 
     def _load(self, request: LoadRequest) -> None:
-        what = request.model or "the default model"
-        self.loading = LoadingScreen(what)
-        self.push_screen(self.loading)
+        self._close_loading()
+        self.loading = LoadingPanel(request.model or "the default model")
+        self.mount(self.loading, before=self.query_one("#prompt", Input))
         self.worker_thread.load(request)
 
     def _close_loading(self) -> None:
         if self.loading is not None:
-            if self.screen is self.loading:
-                self.pop_screen()
+            self.loading.remove()
             self.loading = None
+
+    def _update_stats(self, snapshot, sample: bool) -> None:
+        self.query_one(StatsPanel).update_stats(snapshot, self.pairs.summary(), sample)
 
     # -- worker messages -----------------------------------------------------------------------------
     def on_model_loading(self, msg: ModelLoading) -> None:
         if self.loading is not None and self.loading.is_mounted:
             self.loading.set_stage(msg.stage, msg.step, msg.total)
 
-    def on_model_loaded(self, msg: ModelLoaded) -> None:
+    async def on_model_loaded(self, msg: ModelLoaded) -> None:
         self._close_loading()
         self.model_name, self.drafter_name = msg.name, msg.drafter
         self.sub_title = f"{msg.name} ({msg.info}) | drafter {msg.drafter}"
-        self.totals, self.turn_timing = TurnTiming(), TurnTiming()
+        self.pairs = SpeedupPairs()
         stats = self.query_one(StatsPanel)
         stats.reset_history()
-        stats.update_stats(stats.snapshot, self.totals, sample=False)
+        self._update_stats(stats.snapshot, sample=False)
         self._push_live()
         self.add_system(f"Loaded {msg.name} ({msg.info}), drafter: {msg.drafter}.")
         if msg.warning:
             self.add_system(msg.warning, error=True)
             self.notify(msg.warning, severity="warning", timeout=8)
+        notice = self.restored_k_notice()
+        if notice:
+            self.add_system(notice, classes="queued")
+        await self._send_queued()
 
     def on_model_load_failed(self, msg: ModelLoadFailed) -> None:
         self._close_loading()
         self.add_system(msg.error, error=True)
         self.notify(msg.error, title="Model", severity="error", timeout=8)
+        if self.queued:
+            n = len(self.queued)
+            self.add_system(f"{n} message{'s' if n > 1 else ''} typed while loading wait{'' if n > 1 else 's'} "
+                            "for a model: ctrl+o opens one.", classes="queued")
 
     def on_generation_started(self, msg: GenerationStarted) -> None:
-        self.turn_timing = TurnTiming()
+        self.turn_key = msg.key
+
+    def on_prefill_progress(self, msg: PrefillProgress) -> None:
+        if msg.turn == self.turn and self.current is not None:
+            self.current.set_prefill(msg.done, msg.total)
 
     async def on_generation_progress(self, msg: GenerationProgress) -> None:
         if msg.turn != self.turn or self.current is None:
             return
         await self.current.add(msg.pieces)
         self._follow()
-        self.turn_timing = msg.snapshot.timing
         self._update_stats(msg.snapshot, sample=True)
 
-    def _update_stats(self, snapshot, sample: bool) -> None:
-        totals = TurnTiming(**vars(self.totals))
-        totals.add(self.turn_timing)
-        self.query_one(StatsPanel).update_stats(snapshot, totals, sample)
-
-    def on_generation_finished(self, msg: GenerationFinished) -> None:
+    async def on_generation_finished(self, msg: GenerationFinished) -> None:
         self.generating = False
-        self.totals.add(msg.snapshot.timing)
-        self.turn_timing = TurnTiming()
+        if msg.reason != "context" and msg.snapshot.stats:
+            self.pairs.record(self.turn_key, msg.snapshot.timing)
         if msg.turn != self.turn or self.current is None:
             return  # a turn of a chat that was cleared
+        if msg.reason == "context":
+            await self._refuse_too_long(msg.error or "the prompt does not fit the model's context window")
+            return
         if msg.snapshot.stats:
-            self.query_one(StatsPanel).update_stats(msg.snapshot, self.totals, sample=False)
-        note = REASONS.get(msg.reason, msg.reason)
-        self.current.finish(msg.text, note)
+            self._update_stats(msg.snapshot, sample=False)
+        self.current.finish(msg.text, REASONS.get(msg.reason, msg.reason))
         if msg.text:
             self.history.append({"role": "assistant", "content": msg.text})
         if msg.error:
             self.add_system(f"Generation failed: {msg.error}", error=True)
         self.current = None
+        await self._send_queued()
+
+    async def _refuse_too_long(self, why: str) -> None:
+        """Nothing was generated: the message leaves the conversation (it stays shown) and goes back into an
+        empty input box to be shortened."""
+        await self.current.remove()
+        self.current = None
+        text = self.history.pop()["content"] if self.history and self.history[-1]["role"] == "user" else ""
+        self.add_system(f"Not sent: {why}. Shorten the message, start a new chat (ctrl+n) or lower --max-tokens.",
+                        error=True)
+        box = self.query_one("#prompt", Input)
+        if text and not box.value:
+            box.value = text
 
     # -- input ---------------------------------------------------------------------------------------
     async def on_input_submitted(self, event: Input.Submitted) -> None:
         text = event.value.strip()
         if not text:
+            return
+        if self.loading is not None:  # kept, shown as queued, sent once the model has loaded
+            event.input.value = ""
+            await self._chat().mount(UserMessage(text))
+            note = self.add_system("queued: sent once the model has loaded", classes="queued")
+            self.queued.append((text, note))
+            self.notify("The model is still loading: your message is queued and will be sent once it has loaded.")
             return
         if self.generating:
             self.notify("Still generating: press Esc to stop first.", severity="warning")
@@ -241,63 +238,48 @@ class ChatApp(App):
             self.notify("No model is loaded: press ctrl+o to open one.", severity="error")
             return
         event.input.value = ""
-        self.history.append({"role": "user", "content": text})
+        await self._send(text)
+
+    async def _send(self, text: str | None, shown: bool = False) -> None:
+        """A new turn answering `text` (None: answer the conversation as it stands again); `shown`: its
+        message is in the chat already (queued while loading, or answered again)."""
+        if text is not None:
+            self.history.append({"role": "user", "content": text})
         self.turn += 1
         self.current = AssistantMessage(self.settings.color_drafts)
-        await self._chat().mount_all([UserMessage(text), self.current])
+        await self._chat().mount_all([self.current] if shown else [UserMessage(text), self.current])
         self._chat().scroll_end(animate=False)
         self.generating = True
         self.worker_thread.generate(
             GenerateRequest(self.turn, list(self.history), self.settings.temperature, self.settings.max_tokens)
         )
 
+    async def _send_queued(self) -> None:
+        if self.queued and not self.generating and self.model_name is not None and self.loading is None:
+            text, note = self.queued.pop(0)
+            await note.remove()
+            await self._send(text, shown=True)
+
     # -- actions -------------------------------------------------------------------------------------
     def action_stop(self) -> None:
         if self.generating:
             self.worker_thread.stop()
 
-    def action_toggle_speculation(self) -> None:
-        self.settings.speculation = not self.settings.speculation
-        self._push_live()
-        self._save()
-        state = "on" if self.settings.speculation else "off (plain decoding)"
-        if self.drafter_name == "none" and self.settings.speculation:
-            state += ", but no drafter is loaded"
-        self.notify(f"Speculation {state}")
-
-    def _set_k(self, delta: int) -> None:
-        k = self.settings.num_draft
-        if k == "auto":
-            k = AUTO_START_K
-        self.settings.num_draft = max(1, min(16, int(k) + delta))
-        self._push_live()
-        self._save()
-
-    def action_draft_more(self) -> None:
-        self._set_k(+1)
-
-    def action_draft_less(self) -> None:
-        self._set_k(-1)
-
-    def _set_temp(self, delta: float) -> None:
-        self.settings.temperature = round(max(0.0, min(2.0, self.settings.temperature + delta)), 2)
-        self._push_live()
-        self._save()
-        when = " (from the next turn)" if self.generating else ""
-        self.notify(f"Temperature {self.settings.temperature:.1f}{when}")
-
-    def action_temp_up(self) -> None:
-        self._set_temp(TEMP_STEP)
-
-    def action_temp_down(self) -> None:
-        self._set_temp(-TEMP_STEP)
-
-    def action_toggle_colors(self) -> None:
-        self.settings.color_drafts = not self.settings.color_drafts
-        for msg in self.query(AssistantMessage):
-            msg.set_colored(self.settings.color_drafts)
-        self._push_live()
-        self._save()
+    async def action_answer_again(self) -> None:
+        """ctrl+r: the last message answered again (the answer replaced), e.g. with speculation flipped by
+        F2 to measure the speedup on the same prompt."""
+        if self.generating or self.loading is not None or self.model_name is None:
+            self.notify("Nothing to answer again now (generating, loading or no model).", severity="warning")
+            return
+        if not any(m["role"] == "user" for m in self.history):
+            self.notify("No message to answer again yet.", severity="warning")
+            return
+        if self.history[-1]["role"] == "assistant":
+            self.history.pop()
+        answers = self.query(AssistantMessage)
+        if answers:
+            await answers.last().remove()
+        await self._send(None, shown=True)
 
     async def action_new_chat(self) -> None:
         self.worker_thread.stop()
@@ -305,6 +287,7 @@ class ChatApp(App):
         self.current = None
         self.history = []
         await self._chat().remove_children()
+        self.queued = []
         self.query_one("#prompt", Input).focus()
 
     def action_switch_model(self) -> None:

@@ -66,9 +66,19 @@ class Snapshot:
 
 
 class GenerationStarted(Message):
-    def __init__(self, turn: int, prompt_tokens: int) -> None:
+    """key: what the turn answers (app/speedup.py prompt_key), so turns of the same prompt can be compared."""
+
+    def __init__(self, turn: int, prompt_tokens: int, key: str = "") -> None:
         super().__init__()
-        self.turn, self.prompt_tokens = turn, prompt_tokens
+        self.turn, self.prompt_tokens, self.key = turn, prompt_tokens, key
+
+
+class PrefillProgress(Message):
+    """A long prompt being read: `done` of `total` prompt tokens prefilled (posted chunk by chunk)."""
+
+    def __init__(self, turn: int, done: int, total: int) -> None:
+        super().__init__()
+        self.turn, self.done, self.total = turn, done, total
 
 
 class GenerationProgress(Message):
@@ -80,6 +90,9 @@ class GenerationProgress(Message):
 
 
 class GenerationFinished(Message):
+    """reason: "eos", "max_tokens", "stopped", "error", or "context" (the prompt did not fit the model's
+    context window: nothing was sent to the engine, `error` says by how much)."""
+
     def __init__(self, turn: int, text: str, reason: str, snapshot: Snapshot, error: str | None = None) -> None:
         super().__init__()
         self.turn, self.text, self.reason, self.snapshot, self.error = turn, text, reason, snapshot, error

@@ -1,33 +1,14 @@
-"""Modal screens: loading a model (with progress) and choosing a model to switch to."""
+"""The modal screen that chooses a model to switch to (loading shows in the main screen: widgets.LoadingPanel,
+so what is typed meanwhile is kept)."""
 
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
 from textual.screen import ModalScreen
-from textual.widgets import Button, Input, Label, LoadingIndicator, ProgressBar, Select
+from textual.widgets import Button, Input, Label, Select
 
 from .settings import DRAFTERS
 from .worker import LoadRequest
-
-
-class LoadingScreen(ModalScreen[None]):
-    """Shown while the worker loads a model; the app pops it on ModelLoaded / ModelLoadFailed."""
-
-    def __init__(self, what: str) -> None:
-        super().__init__()
-        self.what = what
-
-    def compose(self) -> ComposeResult:
-        with Vertical(id="loading-box"):
-            yield Label(f"Loading {self.what}", id="loading-title")
-            yield LoadingIndicator()
-            yield ProgressBar(total=4, show_eta=False, id="loading-progress")
-            yield Label("starting", id="loading-stage")
-
-    def set_stage(self, stage: str, step: int, total: int) -> None:
-        bar = self.query_one(ProgressBar)
-        bar.update(total=total, progress=step)
-        self.query_one("#loading-stage", Label).update(stage)
 
 
 class OpenModelScreen(ModalScreen[LoadRequest | None]):

@@ -30,6 +30,16 @@ def settings_path() -> Path:
     return config_dir() / "settings.json"
 
 
+K_MAX = 16
+K_ORDER = ("auto", *range(1, K_MAX + 1))  # what F3 / F4 step through: below 1 is auto
+
+
+def step_k(k: int | str, delta: int) -> int | str:
+    """The draft length one F3 (delta -1) or F4 (+1) press away: auto, 1, 2, ..., 16, held at the ends."""
+    i = K_ORDER.index(k) if k in K_ORDER else 0
+    return K_ORDER[max(0, min(len(K_ORDER) - 1, i + delta))]
+
+
 @dataclass
 class Settings:
     # any registry kind; the default measured fastest on the chat and edit suites (bench/results/*-v3.json);
@@ -48,7 +58,7 @@ class Settings:
             self.drafter = "ngram"
         if self.num_draft != "auto":
             try:
-                self.num_draft = max(1, min(16, int(self.num_draft)))
+                self.num_draft = max(1, min(K_MAX, int(self.num_draft)))
             except (TypeError, ValueError):
                 self.num_draft = "auto"
         try:

@@ -5,9 +5,10 @@ from collections import deque
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.containers import Vertical, VerticalScroll
-from textual.widgets import Markdown, Sparkline, Static
+from textual.widgets import Label, LoadingIndicator, Markdown, ProgressBar, Sparkline, Static
 
-from .messages import Snapshot, TurnTiming
+from .messages import Snapshot
+from .speedup import Speedup
 
 DRAFT_STYLE = "bold green"  # tokens from accepted drafts
 TARGET_STYLE = ""  # tokens the target produced itself
@@ -30,6 +31,25 @@ def human_bytes(n: int) -> str:
     return f"{n:.1f} GB"
 
 
+class LoadingPanel(Vertical):
+    """Shown above the input while the worker loads a model; the input stays usable (what is typed is
+    queued and sent once the model has loaded)."""
+
+    def __init__(self, what: str, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.what = what
+
+    def compose(self) -> ComposeResult:
+        yield Label(f"Loading {self.what}", id="loading-title")
+        yield LoadingIndicator()
+        yield ProgressBar(total=4, show_eta=False, id="loading-progress")
+        yield Label("starting", id="loading-stage")
+
+    def set_stage(self, stage: str, step: int, total: int) -> None:
+        self.query_one(ProgressBar).update(total=total, progress=step)
+        self.query_one("#loading-stage", Label).update(stage)
+
+
 class UserMessage(Static):
     pass
 
@@ -46,13 +66,31 @@ class AssistantMessage(Vertical):
         self.pieces: list[tuple[str, bool]] = []
         self.colored = colored
         self.final_text: str | None = None
+        self.prefill: tuple[int, int] | None = None  # (done, total) while a long prompt is read
 
     def compose(self) -> ComposeResult:
+        yield ProgressBar(show_eta=False, classes="prefill")
         yield Markdown(classes="md")
         yield Static(classes="colored")
 
     def on_mount(self) -> None:
+        self.query_one(".prefill", ProgressBar).display = False
         self._apply_mode()
+
+    def set_prefill(self, done: int, total: int) -> None:
+        """A long prompt being read: a progress bar until the first token comes (Esc stops between chunks)."""
+        self.prefill = (done, total)
+        if not self.is_mounted or not self.children:
+            return
+        bar = self.query_one(".prefill", ProgressBar)
+        bar.display = True
+        bar.update(total=total, progress=done)
+        self.border_subtitle = f"reading the prompt: {done:,} / {total:,} tokens (Esc stops)"
+
+    def _end_prefill(self) -> None:
+        if self.is_mounted and self.children and self.query_one(".prefill", ProgressBar).display:
+            self.query_one(".prefill", ProgressBar).display = False
+            self.border_subtitle = ""
 
     @property
     def text(self) -> str:
@@ -78,6 +116,7 @@ class AssistantMessage(Vertical):
             self._apply_mode()
 
     async def add(self, pieces: list[tuple[str, bool]]) -> None:
+        self._end_prefill()
         self.pieces += pieces
         if not self.is_mounted or not self.children:
             return  # being removed (new chat, quitting): keep the text, draw nothing
@@ -87,6 +126,10 @@ class AssistantMessage(Vertical):
             await self.query_one(Markdown).append("".join(t for t, _ in pieces))
 
     def finish(self, text: str, note: str | None) -> None:
+        self._end_prefill()
+        if note == "stopped" and not text and self.prefill is not None:
+            done, total = self.prefill
+            note = f"stopped while reading the prompt ({done:,} of {total:,} tokens; sent again, it goes on from there)"
         streamed = "".join(t for t, _ in self.pieces)
         self.final_text = text
         if not self.colored and text != streamed and self.is_mounted:
@@ -97,7 +140,7 @@ class AssistantMessage(Vertical):
 
 class StatsPanel(VerticalScroll):
     """decode tok/s + sparkline, prompt tok/s, acceptance, mean accepted length, per-position bars,
-    draft length, time split, peak memory, speedup over plain decoding since the app started."""
+    draft length, time split, peak memory, speedup over plain decoding on the same prompts (app/speedup.py)."""
 
     BAR = 14
 
@@ -105,7 +148,7 @@ class StatsPanel(VerticalScroll):
         super().__init__(**kwargs)
         self.history: deque[float] = deque(maxlen=60)
         self.snapshot = Snapshot()
-        self.totals = TurnTiming()
+        self.speedup = Speedup(reason="no answer measured yet")
         self.settings_line = ""
         self.live_k = 0  # the draft length in force before any cycle has run
         self.text = ""  # plain text of the panel as last rendered (tests read it)
@@ -123,8 +166,8 @@ class StatsPanel(VerticalScroll):
         self.history.clear()
         self.query_one(Sparkline).data = list(self.history)
 
-    def update_stats(self, snapshot: Snapshot, totals: TurnTiming, sample: bool) -> None:
-        self.snapshot, self.totals = snapshot, totals
+    def update_stats(self, snapshot: Snapshot, speedup: Speedup, sample: bool) -> None:
+        self.snapshot, self.speedup = snapshot, speedup
         if sample and snapshot.interval_tps > 0:
             self.history.append(snapshot.interval_tps)
             self.query_one(Sparkline).data = list(self.history)
@@ -196,15 +239,14 @@ class StatsPanel(VerticalScroll):
         t.append("\npeak mem ", style="dim")
         t.append(human_bytes(st.get("peak_memory", 0)) + "\n", style="bold")
 
-        t.append("\nspeedup vs plain (since load)\n", style="dim")
-        tot = self.totals
-        sp = tot.speedup
-        if sp is not None:
-            t.append(f"  {sp:5.2f}x", style="bold green" if sp >= 1 else "bold red")
-            t.append(f"  spec {tot.spec_tps:.1f} / plain {tot.plain_tps:.1f} tok/s\n", style="dim")
+        t.append("\nspeedup vs plain (same prompt)\n", style="dim")
+        sp = self.speedup
+        if sp.ratio is not None:
+            t.append(f"  {sp.ratio:5.2f}x", style="bold green" if sp.ratio >= 1 else "bold red")
+            prompts = f"{sp.pairs} prompt" + ("s" if sp.pairs != 1 else "")
+            t.append(f"  spec {sp.spec_tps:.1f} / plain {sp.plain_tps:.1f} tok/s, {prompts}\n", style="dim")
         else:
-            need = "off" if not tot.plain_tps else "on"
-            t.append(f"  - needs a turn with spec {need} (F2)\n", style="dim")
+            t.append(f"  - {sp.reason}\n    F2 then ctrl+r: same prompt again\n", style="dim")
         if self.settings_line:
             t.append("\n" + self.settings_line, style="dim")
         self.query_one("#stats-body", Static).update(t)

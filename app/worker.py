@@ -16,14 +16,18 @@ from typing import Callable
 import mlx_engine  # noqa: F401  (OpenBLAS before mlx)
 import mlx.core as mx
 from mlx_engine import Engine, GenerationConfig, ModelLoadError, NgramDrafter, SamplingConfig
+from mlx_engine.core.context import ContextLengthError, check_context
 from mlx_engine.drafters.registry import DrafterOptions, make_drafter
 from mlx_engine.models import load as load_model
 
 from .messages import (
     GenerationFinished, GenerationProgress, GenerationStarted, ModelLoaded, ModelLoadFailed, ModelLoading,
-    Snapshot, TurnTiming,
+    PrefillProgress, Snapshot, TurnTiming,
 )
+from .chat_text import PieceDecoder, decode, encode_chat
+from .speedup import prompt_key
 
+PREFILL_BAR_MIN = 1024  # prompts at least this long report their prefill chunk by chunk (a progress bar)
 
 
 class NoModel(Exception):
@@ -109,66 +113,6 @@ class GenerateRequest:
     max_tokens: int
 
 
-def decode(tokenizer, ids: list[int]) -> str:
-    """Text of token ids without special tokens (chat markers are not shown)."""
-    try:
-        return tokenizer.decode(ids, skip_special_tokens=True)
-    except TypeError:
-        return tokenizer.decode(ids)
-
-
-class PieceDecoder:
-    """Token ids -> text pieces, one per token (held back while a multi-byte character is incomplete).
-
-    Each token is decoded with a few tokens of left context so that leading spaces come out right for
-    both SentencePiece and byte-level BPE tokenizers.
-    """
-
-    def __init__(self, tokenizer, context: int = 4):
-        self.tokenizer = tokenizer
-        self.context = context
-        self.done: list[int] = []
-        self.pending: list[tuple[int, bool]] = []
-
-    def _decode(self, ids: list[int]) -> str:
-        return decode(self.tokenizer, ids) if ids else ""
-
-    def add(self, token: int, from_draft: bool) -> tuple[str, bool] | None:
-        self.pending.append((token, from_draft))
-        ctx = self.done[-self.context :]
-        ids = [t for t, _ in self.pending]
-        prefix = self._decode(ctx)
-        full = self._decode(ctx + ids)
-        if full.endswith("\ufffd") and len(self.pending) < 6:
-            return None  # an incomplete UTF-8 sequence: wait for the next token
-        text = full[len(prefix) :] if full.startswith(prefix) else self._decode(ids)
-        draft = all(d for _, d in self.pending)
-        self.done += ids
-        self.pending = []
-        return (text, draft) if text else None
-
-    def flush(self) -> tuple[str, bool] | None:
-        if not self.pending:
-            return None
-        ids = [t for t, _ in self.pending]
-        draft = all(d for _, d in self.pending)
-        self.done += ids
-        self.pending = []
-        text = self._decode(ids)
-        return (text, draft) if text else None
-
-
-def encode_chat(tokenizer, messages: list[dict]) -> list[int]:
-    """The conversation through the tokenizer's chat template (plain text when it has none)."""
-    if getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        if isinstance(ids, dict):  # some tokenizers return a BatchEncoding
-            ids = ids["input_ids"]
-        return list(ids)
-    text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
-    return list(tokenizer.encode(text))
-
-
 class EngineWorker:
     """Owns the model in one thread. `post` delivers messages to the UI (App.post_message)."""
 
@@ -185,6 +129,9 @@ class EngineWorker:
         self.engine: Engine | None = None
         self.drafter = None
         self.busy = False  # a generation is running
+        self.context_length: int | None = None  # the loaded model's context window (None: it names none)
+        self.prefill_step: int | None = None  # prompt tokens per prefill chunk (None: the engine's default)
+        self.prefill_bar_min = PREFILL_BAR_MIN
         self._thread = threading.Thread(target=self._run, name="engine-worker", daemon=True)
 
     # -- called from the UI thread -------------------------------------------------------------------
@@ -271,9 +218,12 @@ class EngineWorker:
         except Exception as e:
             self.post(ModelLoadFailed(f"the model loaded but could not run: {type(e).__name__}: {e}"))
             return
-        engine = Engine(loaded.model, drafter)  # built with its drafter: the policy gets the drafter's settings
-        self.loaded, self.engine, self.drafter = loaded, engine, drafter
-        info = f"{loaded.config.get('model_type', '?')}, vocab {engine.target.vocab_size}"
+        context = loaded.context_length
+        # built with its drafter (the policy gets the drafter's settings) and the context window it checks
+        engine = Engine(loaded.model, drafter, context_length=context)
+        self.loaded, self.engine, self.drafter, self.context_length = loaded, engine, drafter, context
+        info = f"{loaded.config.get('model_type', '?')}, vocab {engine.target.vocab_size}" + (
+            f", context {context:,} tokens" if context else "")
         name = model_name(str(path))
         self.post(ModelLoaded(name, drafter.name if drafter is not None else "none", info, warning))
 
@@ -309,18 +259,29 @@ class EngineWorker:
         except Exception as e:
             self.post(GenerationFinished(req.turn, "", "error", empty, f"chat template failed: {e}"))
             return
+        try:  # before any work: a prompt the context window cannot hold is never sent to the engine
+            check_context(len(prompt), req.max_tokens, self.context_length)
+        except ContextLengthError as e:
+            self.post(GenerationFinished(req.turn, "", "context", empty, str(e)))
+            return
         eos = frozenset(getattr(tokenizer, "eos_token_ids", None) or [])
         seed = 0 if req.temperature == 0 else time.time_ns() % (2**31)
         # the engine asks LivePolicy for k every cycle, so speculation on/off and k change live
         if not isinstance(engine.policy, LivePolicy):
             engine.policy = LivePolicy(self, engine.policy)
         live = engine.policy
+
+        def on_prefill(done: int, total: int) -> None:  # called between prefill chunks, on this thread
+            if total >= self.prefill_bar_min:
+                self.post(PrefillProgress(req.turn, done, total))
+
+        chunking = {"prefill_step": self.prefill_step} if self.prefill_step else {}
         cfg = GenerationConfig(
             max_tokens=req.max_tokens, num_draft="auto",
             seed=seed, stop_tokens=eos, sampling=SamplingConfig(temperature=req.temperature),
-            profile_every=self.profile_every,
+            profile_every=self.profile_every, on_prefill=on_prefill, should_stop=self._stop.is_set, **chunking,
         )
-        self.post(GenerationStarted(req.turn, len(prompt)))
+        self.post(GenerationStarted(req.turn, len(prompt), prompt_key(prompt, req.temperature)))
         decoder = PieceDecoder(tokenizer)
         pieces: list[tuple[str, bool]] = []
         out_tokens: list[int] = []
@@ -358,7 +319,9 @@ class EngineWorker:
                 try:
                     step = next(gen)
                 except StopIteration:
-                    if out_tokens and out_tokens[-1] in eos:
+                    if engine.stats.cancelled:  # Esc while the prompt was read: ended between two chunks
+                        reason = "stopped"
+                    elif out_tokens and out_tokens[-1] in eos:
                         reason = "eos"
                     break
                 dt = time.perf_counter() - t0
