@@ -176,7 +176,10 @@ def test_batched_mtp_drafts_what_a_head_per_row_drafts(tmp_path_factory):
 
             def record(k, samplings, keys):
                 drafts = propose(k, samplings, keys)
-                log.extend((s.id, d.tokens.tolist()) for s, d in zip(engine.seqs, drafts))
+                for s, d in zip(engine.seqs, drafts):  # the drafts each row's acceptance reads (its room)
+                    ki = min(k, s.max_tokens - s.generated - 1)
+                    if ki > 0:
+                        log.append((s.id, d.tokens[:ki].tolist()))
                 return drafts
 
             engine.batched.propose = record
@@ -203,7 +206,8 @@ def test_one_host_read_per_step(llama, num_draft):
     engine = BatchEngine(llama, NgramDrafter(), num_draft=num_draft, max_batch=3)
     for i, p in enumerate(PROMPTS[:3]):
         engine.add(i, p, 30)
-    engine.step()  # the first tokens
+    while engine.prefilling():  # a chunk of prefill per step, then each sequence's first token
+        engine.step()
     before = dict(host.counts)
     for _ in range(5):
         engine.step()

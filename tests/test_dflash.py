@@ -176,7 +176,7 @@ def test_continuous_batching_equals_each_request_alone(root):
     for sid, p in prompts.items():
         engine.add(sid, p, 24)
     out = {sid: [] for sid in prompts}
-    while engine.seqs or engine._pending:
+    while engine.running():
         for o in engine.step():
             out[o.seq_id] += o.tokens
     for sid, p in prompts.items():

@@ -105,7 +105,7 @@ def served_together(engine, prompts, n, joins_at=2):
 @pytest.mark.parametrize("family,bits", [("llama", 4), ("deepseek_v3", 4)])
 def test_batch_engine_output_equals_each_request_alone(family, bits, mixing):
     model = build(family, bits)
-    engine = BatchEngine(model, NgramDrafter(), num_draft=3, batch_invariant=True, keep_prefixes=0)
+    engine = BatchEngine(model, NgramDrafter(), num_draft=3, batch_invariant=True, prefix_cache_bytes=0)
     assert engine.batch_invariant and engine.supported is None
     together = served_together(engine, PROMPTS, 24)
     assert together == [greedy_alone(model, p, 24) for p in PROMPTS]
@@ -113,7 +113,7 @@ def test_batch_engine_output_equals_each_request_alone(family, bits, mixing):
 
 
 def test_batch_engine_caps_drafts_at_the_contract():
-    engine = BatchEngine(build("llama", 4), NgramDrafter(), num_draft=20, batch_invariant=True, keep_prefixes=0)
+    engine = BatchEngine(build("llama", 4), NgramDrafter(), num_draft=20, batch_invariant=True, prefix_cache_bytes=0)
     served_together(engine, [[1, 2, 3, 4] * 6] * 2, 40, joins_at=0)
     assert max(engine.k_steps) == 15
 

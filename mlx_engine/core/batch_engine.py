@@ -11,9 +11,13 @@ drafter per row, where its own acceptance cannot pay for its drafting); its veri
 step's k + 1 and the acceptance rule reads only its own drafts. With k = 0 a step is one plain decoding
 step for every row.
 
-Sequences join and leave between steps: `add` prefills a new sequence alone (a plain single-sequence
-cache, with the longest common prefix of a recently finished sequence reused), samples its first token,
-and appends its row; a finished or cancelled sequence's row is dropped at once.
+Sequences join and leave between steps. `add` only queues a new sequence (core/batch_prefill.py): each
+step prefills one chunk of a waiting prompt, sized so the running streams' step stays bounded, beside
+the batch's own step; after its last prompt token its first token is sampled and returned at once, its
+drafter is fed the prompt a chunk at a time, and the sequence joins the batch (its cache appended as a
+row). A finished or cancelled sequence's row is dropped at once; a waiting one leaves the queue. Prompts
+start from the longest prefix a shared prefix tree (target/prefix_cache.py) holds: every prompt and
+every finished sequence is stored there, within a byte budget.
 
 Lossless: sampled rows follow the target's distribution by the usual acceptance rule. Greedy output
 equals the same request served alone where a row's logits do not depend on the other rows: its keys sit
@@ -31,32 +35,31 @@ import mlx.core as mx
 from .. import host
 from ..drafters.base import Draft, Verdict, hidden_request
 from ..drafters.mtp.batched import BatchedMTP, batchable_mtp
-from ..sampling import SamplingConfig, probabilities, process_logits
+from ..sampling import SamplingConfig
+from ..target import prefix_cache as prefix_ops
 from ..target.batch_cache import BatchKVCache, append_sequence, batchable
 from ..target.fixed_rows import make_invariant_batches
 from ..target.model import Target
 from . import invariance_default
 from .batch_policy import BatchPolicy, FixedBatchPolicy
+from .batch_prefill import Prefilling, PrefillQueue
 from .batch_sequence import Output, RunningSequence
-from .verify import accept_greedy, accept_sampled
-
-
-def choose_row(logits, context, draft_tokens, draft_probs, cfg: SamplingConfig, key) -> mx.array:
-    """[n_accepted, t_0..t_k] for one row (the Engine's acceptance rule, verify.py)."""
-    logits = process_logits(logits, context, cfg)
-    if cfg.greedy:
-        return accept_greedy(logits, draft_tokens)
-    return accept_sampled(probabilities(logits, cfg), draft_tokens, draft_probs, key)
+from .context import check_context
+from .verify import choose_row
 
 
 class BatchEngine:
     """Call from one thread (the one that owns MLX): add / cancel / step."""
 
     def __init__(self, model, drafter=None, num_draft: int | str = "auto", max_batch: int = 8, max_draft: int = 8,
-                 prefill_step: int = 2048, keep_prefixes: int = 4, batched_drafting: bool = True,
-                 batch_invariant: bool | str | None = None):
+                 prefill_step: int = 512, prefix_cache_bytes: int = 1 << 30, batched_drafting: bool = True,
+                 batch_invariant: bool | str | None = None, context_length: int | None = None,
+                 idle_budget: float = 1.0):
         """batch_invariant: every step's rows batch invariant ("kernels" / True; None: as Engine's default),
-        so each sequence's tokens equal, bit for bit, that request decoded alone by Engine(batch_invariant=True)."""
+        so each sequence's tokens equal, bit for bit, that request decoded alone by Engine(batch_invariant=True).
+        prefill_step: the largest prefill chunk; prefix_cache_bytes: the prefix tree's budget (0: none);
+        context_length: prompt + max_tokens beyond it are refused (None: not checked); idle_budget: seconds
+        a prefill chunk may take when no sequence is decoding."""
         if batch_invariant is None:
             batch_invariant = invariance_default.default_invariance(several_sequences=True)
         rows, why_not = make_invariant_batches(model, batch_invariant)
@@ -71,146 +74,162 @@ class BatchEngine:
         self.policy = (BatchPolicy(min(max_draft, self.max_k), per_row_drafting=self.batched is None)
                        if self.num_draft == "auto" else FixedBatchPolicy(self.num_draft))
         self.max_batch = max_batch
-        self.prefill_step = prefill_step
-        self.keep_prefixes = keep_prefixes
+        self.context_length = context_length
         self.seqs: list[RunningSequence] = []
         self.cache: list[BatchKVCache] = []
-        self._pending: list[Output] = []  # first tokens of sequences added since the last step
-        self._prefixes: list[tuple[list[int], list, mx.array | None]] = []  # (tokens, per-layer (k, v), hidden)
         self.supported = why_not or batchable(self.target.make_cache())  # None, or why this model cannot batch
         if self.supported is None and getattr(drafter, "reads_target_cache", False):
             self.supported = f"the {drafter.name} drafter reads the single-sequence target cache"
+        tree = None
+        if prefix_cache_bytes > 0 and self.supported is None:
+            tree = prefix_ops.PrefixCache(prefix_cache_bytes, with_hidden=self.want_hidden is not None)
+        self.prefix_cache = tree
+        self.prefills = PrefillQueue(self.target, self.want_hidden, tree, prefill_step, idle_budget)
         self.steps = 0
+        self.step_times: list[float] = []  # seconds of the batch's recent steps (the prefill chunks' budget)
         self._reshaped = False  # rows joined or left since the last step (its time carries the re-layout)
         self.k_steps: dict[int, int] = {}  # steps run at each draft length (reports)
 
     # -- joining and leaving ---------------------------------------------------------------------------
     def running(self) -> int:
-        """Sequences in the batch, plus finished ones whose outputs the next step() still returns."""
-        return len(self.seqs) + sum(1 for o in self._pending if o.finished)
+        """Sequences decoding or being prefilled."""
+        return len(self.seqs) + len(self.prefills)
 
     def free_slots(self) -> int:
-        return self.max_batch - len(self.seqs)
+        return self.max_batch - len(self.seqs) - len(self.prefills)
 
-    def check(self, prompt: list[int]) -> None:
+    def prefilling(self) -> list[dict]:
+        """Sequences waiting to join: {"id", "done", "total", "stage"} (prompt tokens fed of total)."""
+        return self.prefills.status()
+
+    def kv_bytes(self) -> int:
+        """Bytes of the batch's KV caches, the waiting sequences' and the prefix tree's."""
+        n = sum(a.nbytes for bc in self.cache for a in bc.state)
+        n += sum(a.nbytes for p in self.prefills.waiting for c in p.cache for a in _arrays(c))
+        return n + (self.prefix_cache.nbytes if self.prefix_cache is not None else 0)
+
+    def check(self, prompt: list[int], max_tokens: int = 1) -> None:
         if not prompt:
             raise ValueError("the prompt is empty")
         vocab = self.target.vocab_size
         if max(prompt) >= vocab or min(prompt) < 0:
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
-
-    def _reuse(self, prompt: list[int]):
-        """The kept prefix sharing the most leading tokens with prompt[:-1] -> (m, per-layer kv, hidden)."""
-        best, m_best = None, 0
-        for entry in self._prefixes:
-            m = 0
-            for a, b in zip(prompt[:-1], entry[0]):
-                if a != b:
-                    break
-                m += 1
-            if m > m_best:
-                best, m_best = entry, m
-        if best is None:
-            return 0, None, None
-        kv = [(k[:, :, :m_best], v[:, :, :m_best]) for k, v in best[1]]
-        return m_best, kv, (best[2][:m_best] if best[2] is not None else None)
-
-    def _prefill(self, prompt: list[int]):
-        """Feed the prompt alone; -> (logits of its last token [1, V], single-sequence cache, prompt hidden, reused)."""
-        cache = self.target.make_cache()
-        reused, kv, hidden0 = self._reuse(prompt)
-        if reused:
-            for c, (k, v) in zip(cache, kv):
-                c.keys, c.values, c.offset = k, v, k.shape[2]
-        hidden = [hidden0] if hidden0 is not None else []
-        body = prompt[reused:-1]
-        for i in range(0, len(body), self.prefill_step):
-            _, h = self.target.forward(mx.array(body[i : i + self.prefill_step]), cache, self.want_hidden)
-            host.wait([c.state for c in cache] + ([h] if self.want_hidden else []))
-            hidden.append(h)
-        logits, h = self.target.forward(mx.array(prompt[-1:]), cache, self.want_hidden)
-        hidden.append(h)
-        return logits, cache, (mx.concatenate(hidden) if self.want_hidden else None), reused
+        check_context(len(prompt), max_tokens, self.context_length)
 
     def add(self, seq_id, prompt: list[int], max_tokens: int, sampling: SamplingConfig | None = None, seed: int = 0,
             stop_tokens: frozenset[int] = frozenset(), num_draft: int | str | None = None) -> None:
-        """Prefill a new sequence and put it in the running batch; its first token comes out of the next step().
-        `num_draft`: this request's ceiling on its draft length per step (0: it never drafts; None or "auto":
-        the batch's choice)."""
+        """Queue a new sequence: the next steps prefill it (a chunk per step) and its first token comes out
+        of the step that finishes its prompt. `num_draft`: this request's ceiling on its draft length per
+        step (0: it never drafts; None or "auto": the batch's choice)."""
         if self.supported is not None:
             raise ValueError(f"this model cannot be batched: {self.supported}")
-        if len(self.seqs) >= self.max_batch:
+        if self.free_slots() <= 0:
             raise ValueError(f"the batch is full ({self.max_batch} sequences)")
         if max_tokens < 1:
             raise ValueError(f"max tokens must be >= 1, got {max_tokens}")
         if num_draft not in (None, "auto") and (not isinstance(num_draft, int) or num_draft < 0):
             raise ValueError(f"num_draft must be an integer >= 0 or 'auto', got {num_draft!r}")
-        self.check(prompt)
-        sampling = sampling or SamplingConfig()
-        t0 = time.perf_counter()
-        key = mx.random.key(seed)
-        logits, cache, hidden, reused = self._prefill(prompt)
-        context = mx.array(prompt[-sampling.repetition_context :]) if sampling.penalized else None
-        seq = RunningSequence(seq_id, list(prompt), max_tokens, sampling, frozenset(stop_tokens), key, None,
-                              list(prompt), -1, reused=reused,
+        self.check(prompt, max_tokens)
+        seq = RunningSequence(seq_id, list(prompt), max_tokens, sampling or SamplingConfig(), frozenset(stop_tokens),
+                              mx.random.key(seed), None, list(prompt), -1,
                               max_draft=None if num_draft in (None, "auto") else int(num_draft),
                               evidence=self.policy.row())
-        out = choose_row(logits, context, mx.zeros((0,), mx.int32), None, sampling, seq.next_key())
-        first = host.read(out)[1]
-        seq.history.append(first)
-        seq.last = first
-        seq.prompt_time = time.perf_counter() - t0
-        if first in seq.stop_tokens or max_tokens == 1:
-            self._remember(seq.history[:-1], cache, hidden)
-            self._pending.append(Output(seq_id, [first], "stop" if first in seq.stop_tokens else "length",
-                                        seq.stats(self.num_draft)))
-            return
-        if self.batched is not None:
-            self.batched.add_row(seq.history, hidden)
-        elif self.drafter is not None:
-            seq.drafter = copy.copy(self.drafter)
-            seq.drafter.begin(list(seq.history), hidden)
-            if hasattr(seq.drafter, "flush"):  # the drafter's own prefill now, not in the next (timed) step
-                seq.drafter.flush()
-                host.wait([c.state for c in getattr(seq.drafter, "cache", [])])
-        self.cache = append_sequence(self.cache, cache)
-        seq.hidden_rows = [hidden] if self.want_hidden else []
-        host.wait([s for bc in self.cache for s in bc.state])
-        seq.t_decode = time.perf_counter()
-        self.seqs.append(seq)
-        self._reshaped = True
-        self._pending.append(Output(seq_id, [first]))
+        self.prefills.add(seq)
 
     def cancel(self, seq_id) -> None:
+        """Stop a sequence, running or still waiting to join (it leaves at the next step)."""
         for s in self.seqs:
             if s.id == seq_id:
                 s.cancelled = True
+        for p in self.prefills.waiting:
+            if p.seq.id == seq_id:
+                p.seq.cancelled = True
 
-    def _remember(self, tokens: list[int], cache: list, hidden) -> None:
-        """Keep a finished sequence's cache (its tokens' keys and values) for a later prompt's common prefix."""
-        if self.keep_prefixes <= 0 or not tokens:
+    def reset(self) -> None:
+        """Drop every running and waiting sequence, keeping none of their entries (after a failed step their
+        caches are in doubt). The prefix tree keeps what it held before."""
+        self.seqs, self.cache, self._reshaped = [], [], True
+        self.prefills.waiting.clear()
+        if self.batched is not None:
+            self.batched.keep_rows([])
+
+    # -- prefill, a chunk per step --------------------------------------------------------------------
+    def _prefill_once(self, outputs: list[Output]) -> None:
+        """Advance the waiting sequence with the fewest tokens left by one chunk (target, then drafter);
+        a sequence whose prompt is in hands out its first token; one whose drafter is fed joins the batch."""
+        for p in [p for p in self.prefills.waiting if p.seq.cancelled]:
+            self.prefills.remove(p)
+            outputs.append(Output(p.seq.id, [], "cancelled", p.seq.stats(self.num_draft)))
+        p = self.prefills.next()
+        if p is None:
             return
-        kv = [(c.keys[:, :, : c.offset], c.values[:, :, : c.offset]) for c in cache]
-        self._prefixes = [p for p in self._prefixes if p[0] != tokens][-(self.keep_prefixes - 1):] + \
-            [(list(tokens), kv, hidden)]
+        budget = self.prefills.budget(self.step_times, len(self.seqs))
+        if not p.sampled:
+            logits = self.prefills.target_chunk(p, budget)
+            if logits is None:
+                return
+            if not self._first_token(p, logits, outputs):
+                return
+        if p.drafter is None or self.prefills.drafter_chunk(p, budget):
+            self.prefills.remove(p, keep_fed=False)
+            self._join(p)
+
+    def _first_token(self, p: Prefilling, logits, outputs: list[Output]) -> bool:
+        """Sample p's first token and hand it out; begin its drafter. False when that token ends it."""
+        s = p.seq
+        context = mx.array(s.prompt[-s.sampling.repetition_context :]) if s.sampling.penalized else None
+        first = host.read(choose_row(logits, context, mx.zeros((0,), mx.int32), None, s.sampling, s.next_key()))[1]
+        s.history.append(first)
+        s.last = first
+        s.prompt_time = time.perf_counter() - p.started
+        p.sampled = True
+        hidden = mx.concatenate(p.hidden) if self.want_hidden else None
+        p.hidden = [hidden] if hidden is not None else []
+        self.prefills.remember(s.prompt, p.cache, p.hidden)  # later prompts that share it start from it
+        if first in s.stop_tokens or s.max_tokens == 1:
+            self.prefills.remove(p, keep_fed=False)
+            outputs.append(Output(s.id, [first], "stop" if first in s.stop_tokens else "length",
+                                  s.stats(self.num_draft)))
+            return False
+        outputs.append(Output(s.id, [first]))
+        if self.batched is not None:
+            p.drafter = self.batched.begin_row(s.history, hidden)
+        elif self.drafter is not None:
+            p.drafter = copy.copy(self.drafter)
+            p.drafter.begin(list(s.history), hidden)
+        p.drafter_left = len(s.history) if p.drafter is not None else 0
+        return True
+
+    def _join(self, p: Prefilling) -> None:
+        """A prefilled sequence becomes a row of the batch (its cache appended, its drafter adopted)."""
+        s = p.seq
+        if self.batched is not None:
+            self.batched.adopt(p.drafter)
+        elif p.drafter is not None:
+            s.drafter = p.drafter
+            if hasattr(s.drafter, "flush"):  # what is left of its prefill now, not in the next (timed) step
+                s.drafter.flush()
+                host.wait([c.state for c in getattr(s.drafter, "cache", [])])
+        self.cache = append_sequence(self.cache, p.cache)
+        s.hidden_rows = list(p.hidden)
+        host.wait([a for bc in self.cache for a in bc.state])
+        s.t_decode = time.perf_counter()
+        self.seqs.append(s)
+        self._reshaped = True
 
     def _drop(self, rows: list[int]) -> None:
-        """Remove these rows (finished or cancelled), keeping their caches as reusable prefixes."""
+        """Remove these rows (finished or cancelled), their entries stored in the prefix tree first."""
         if not rows:
             return
         for i in rows:
             s = self.seqs[i]
-            if self.keep_prefixes > 0:
-                fed = s.history[:-1]  # every committed token but the last is in the cache
-                kv = []
-                for bc in self.cache:
-                    k, v = bc.row(i)
-                    # copies: a view would keep the whole batch cache alive after its rows are dropped
-                    kv.append((mx.contiguous(k[:, :, : len(fed)]), mx.contiguous(v[:, :, : len(fed)])))
-                hidden = mx.contiguous(mx.concatenate(s.hidden_rows)[: len(fed)]) if s.hidden_rows else None
-                host.start([a for pair in kv for a in pair] + ([hidden] if hidden is not None else []))
-                self._prefixes = [p for p in self._prefixes if p[0] != fed][-(self.keep_prefixes - 1):] + \
-                    [(fed, kv, hidden)]
+            fed = s.history[:-1]  # every committed token but the last is in the cache
+            if self.prefix_cache is not None and len(fed) > self.prefix_cache.match(fed):
+                states = [tuple(a[:, :, : len(fed)] for a in bc.row(i)) for bc in self.cache]
+                hidden = mx.concatenate(s.hidden_rows)[: len(fed)] if s.hidden_rows else None
+                if self.prefix_cache.with_hidden and (hidden is None or hidden.shape[0] < len(fed)):
+                    continue
+                self.prefix_cache.insert(fed, states, hidden)
         keep = [i for i in range(len(self.seqs)) if i not in set(rows)]
         for bc in self.cache:
             bc.keep_rows(keep)
@@ -222,12 +241,13 @@ class BatchEngine:
     # -- one step ---------------------------------------------------------------------------------------
     def step(self) -> list[Output]:
         """Advance every running sequence by one verify pass (or one plain token). Returns their new tokens."""
-        outputs, self._pending = self._pending, []
+        outputs = []
         cancelled = [i for i, s in enumerate(self.seqs) if s.cancelled]
         for i in cancelled:
             s = self.seqs[i]
             outputs.append(Output(s.id, [], "cancelled", s.stats(self.num_draft)))
         self._drop(cancelled)
+        self._prefill_once(outputs)
         if not self.seqs:
             return outputs
         b = len(self.seqs)
@@ -239,11 +259,12 @@ class BatchEngine:
         ks = [min(d, s.max_tokens - s.generated - 1) for d, s in zip(drafting, self.seqs)]
         k = max(ks)  # the verify pass's width - 1; a row with fewer drafts is padded
         t0 = time.perf_counter()
+        # a row draws its random keys only for drafts it can keep: its draws never depend on the other rows
         if k > 0 and self.batched is not None:  # one head pass per draft step drafts k for every row
-            drafts = self.batched.propose(k, [s.sampling for s in self.seqs], [s.next_key() for s in self.seqs])
+            keys = [s.next_key() if ki else mx.random.key(0) for s, ki in zip(self.seqs, ks)]
+            drafts = self.batched.propose(k, [s.sampling for s in self.seqs], keys)
         elif k > 0:
-            drafts = [self._padded(self._propose(s, min(d, k)) if d else None, k, s.last)
-                      for s, d in zip(self.seqs, drafting)]
+            drafts = [self._padded(self._propose(s, ki) if ki else None, k, s.last) for s, ki in zip(self.seqs, ks)]
         else:
             drafts = None
         last = mx.array([[s.last] for s in self.seqs], dtype=mx.int32)
@@ -261,6 +282,7 @@ class BatchEngine:
             outs.append(choose_row(row_logits, context, d_tokens, d_probs, s.sampling, s.next_key()))
         values = host.read(mx.concatenate(outs))  # the step's one host synchronisation
         seconds = time.perf_counter() - t0
+        self.step_times = self.step_times[-63:] + [seconds]
         reshaped, self._reshaped = self._reshaped, False
         accepted, finished, start = [], [], 0
         for i, s in enumerate(self.seqs):
@@ -343,3 +365,10 @@ class BatchEngine:
         if reason is None and s.generated >= s.max_tokens:
             reason = "length"
         return tokens, reason
+
+
+def _arrays(c) -> list:
+    """The arrays of a single-sequence layer cache (a quantized cache's keys are triples)."""
+    from mlx.utils import tree_flatten
+
+    return [a for _, a in tree_flatten((c.keys, c.values)) if a is not None] if c.keys is not None else []

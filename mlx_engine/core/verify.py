@@ -16,7 +16,7 @@ the residual is p_i with x_i removed.
 
 import mlx.core as mx
 
-from ..sampling import random_draws, sample
+from ..sampling import SamplingConfig, probabilities, process_logits, random_draws, sample
 
 
 def _pack(n_accepted: mx.array, tokens: mx.array) -> mx.array:
@@ -70,3 +70,11 @@ def accept_sampled(
     drafts = mx.concatenate([draft_tokens, mx.zeros((1,), draft_tokens.dtype)])
     tokens = mx.where(pos < n, drafts, nxt)
     return _pack(n, tokens)
+
+
+def choose_row(logits, context, draft_tokens, draft_probs, cfg: SamplingConfig, key) -> mx.array:
+    """[n_accepted, t_0..t_k] for one row of a batch: the sampling chain, then the rule for its config."""
+    logits = process_logits(logits, context, cfg)
+    if cfg.greedy:
+        return accept_greedy(logits, draft_tokens)
+    return accept_sampled(probabilities(logits, cfg), draft_tokens, draft_probs, key)

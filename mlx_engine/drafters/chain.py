@@ -44,6 +44,11 @@ class ChainDrafter:
         self.ngram.begin(tokens, None)
         self.model.begin(tokens, hidden)
 
+    def prefill_pending(self, limit: int) -> int:
+        """The model drafter's pending prompt, a piece at a time (the n-gram has none)."""
+        feed = getattr(self.model, "prefill_pending", None)
+        return feed(limit) if feed is not None else 0
+
     def next_member(self) -> str:
         """Who drafts the next cycle: the n-gram when the context has a match ("ngram" or "ngram:long" by
         its length), else the model drafter."""

@@ -63,16 +63,24 @@ class DraftModelDrafter:
         return self._subset(h[-1:])
 
     def begin(self, tokens: list[int], hidden: mx.array | None = None) -> None:
+        """The prompt is left pending: fed by the first propose, or a piece at a time by prefill_pending."""
         self.cache = cache_ops.make_cache(self.model)
         self.history = list(tokens)
-        body = tokens[:-1]
-        while len(body) > self.prefill_step:
-            self._forward(mx.array(body[: self.prefill_step]))
+        self.pending = tokens[:-1]
+
+    def prefill_pending(self, limit: int) -> int:
+        """Feed up to `limit` pending prompt tokens; returns how many are left to feed this way (the last
+        pending token always waits for propose, whose pass needs its logits)."""
+        n = min(limit, max(len(self.pending) - 1, 0))
+        if n > 0:
+            self._forward(mx.array(self.pending[:n]))
             host.wait([c.state for c in self.cache])
-            body = body[self.prefill_step :]
-        self.pending = body
+            self.pending = self.pending[n:]
+        return max(len(self.pending) - 1, 0)
 
     def propose(self, k: int, sampling: SamplingConfig, key: mx.array) -> Draft:
+        while len(self.pending) > self.prefill_step:  # a long prompt, in chunks
+            self.prefill_pending(self.prefill_step)
         feed = self.pending + self.history[-1:]
         self._ckpt = cache_ops.checkpoint(self.cache, len(feed) + k - 1)
         self._k = k

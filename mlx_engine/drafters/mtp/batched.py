@@ -45,8 +45,18 @@ class BatchedMTP:
 
     # -- rows -------------------------------------------------------------------------------------------
     def add_row(self, tokens: list[int], hidden: mx.array) -> None:
+        self.adopt(self.begin_row(tokens, hidden))
+
+    def begin_row(self, tokens: list[int], hidden: mx.array) -> MTPDrafter:
+        """A single-sequence drafter begun on a new row's prompt; its pending slots may be fed a piece at a
+        time (prefill_pending) before `adopt` makes it a row of the batch."""
         single = copy.copy(self.proto)
         single.begin(list(tokens), hidden)
+        return single
+
+    def adopt(self, single: MTPDrafter) -> None:
+        """Append a begun single-sequence drafter as a new row (its remaining pending slots fed first)."""
+        tokens = single.history
         single.flush()
         self.cache = append_sequence(self.cache, single.cache)
         host.wait([a for bc in self.cache for a in bc.state] + [single._out])

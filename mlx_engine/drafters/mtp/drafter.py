@@ -137,24 +137,35 @@ class MTPDrafter:
             return self._subset(h)
         return self.target.lm_head(h)
 
-    def _feed_pending(self) -> None:
-        """Feed every pending slot through every layer (exact entries), in chunks of prefill_step."""
+    def _feed_pending(self, limit: int | None = None) -> None:
+        """Feed the first `limit` pending slots (all: None) through every layer (exact entries), in chunks
+        of prefill_step."""
         if not self._pend_tok:
             return
         h_all = mx.concatenate(self._pend_h) if len(self._pend_h) > 1 else self._pend_h[0]
-        toks = self._pend_tok
+        n = len(self._pend_tok) if limit is None else min(limit, len(self._pend_tok))
+        toks = self._pend_tok[:n]
         out = None
-        for s in range(0, len(toks), self.prefill_step):
+        for s in range(0, n, self.prefill_step):
             tok = mx.array(toks[s : s + self.prefill_step], dtype=mx.int32)
-            h = h_all[s : s + self.prefill_step]
+            h = h_all[s : min(s + self.prefill_step, n)]
             for i in range(self.num_layers):
                 y = self._run(i, tok, h)
                 if i == 0:
                     out = y
-            if s + self.prefill_step < len(toks):
+            if s + self.prefill_step < n or n < len(self._pend_tok):
                 host.wait([c.state for c in self.cache])
         self._out = out[-1:]
-        self._pend_h, self._pend_tok = [], []
+        if n < len(self._pend_tok):
+            self._pend_h, self._pend_tok = [h_all[n:]], self._pend_tok[n:]
+        else:
+            self._pend_h, self._pend_tok = [], []
+
+    def prefill_pending(self, limit: int) -> int:
+        """Feed up to `limit` of the slots begin() left pending (a long prompt's, a piece at a time: the
+        batch engine interleaves them with other sequences' steps). Returns how many are still pending."""
+        self._feed_pending(limit)
+        return len(self._pend_tok)
 
     def flush(self) -> None:
         """Feed the pending slots now (tests inspect the cache after it; propose does it anyway)."""
