@@ -10,14 +10,22 @@ def main(argv: list[str] | None = None) -> int:
     parser = ArgumentParser(prog="python -m mlx_engine", description="Lossless speculative decoding on MLX.")
     sub = parser.add_subparsers(dest="command", required=True)
     cli.add_generate_args(sub.add_parser("generate", help="generate text with (or without) speculative decoding"))
-    conv = sub.add_parser("convert", help="convert a Hugging Face checkpoint to MLX, keeping its MTP head")
-    conv.add_argument("--hf-path", required=True, help="HF-layout folder or hub repo id")
-    conv.add_argument("--mlx-path", required=True, help="output folder (must not exist)")
+    conv = sub.add_parser("convert", help="convert a model to MLX, keeping its MTP head (or adding one)")
+    conv.add_argument("--hf-path", help="HF-layout or MLX folder, hub repo id or .gguf file (default: the embedded "
+                                        "SmolLM2-135M-Instruct, with its trained head)")
+    conv.add_argument("--mlx-path", required=True,
+                      help="output folder (must not exist); with --mtp-from and no --hf-path, an existing MLX "
+                           "conversion to add the head to")
     conv.add_argument("-q", "--quantize", action="store_true", help="quantize the target")
-    conv.add_argument("--q-bits", type=int, default=4, help="bits for the quantized target (default 4)")
-    conv.add_argument("--q-group-size", type=int, default=64, help="quantization group size (default 64)")
-    conv.add_argument("--mtp-bits", type=int, default=8,
-                      help="bits for the MTP head when quantizing (default 8; 0 keeps it float)")
+    conv.add_argument("--q-bits", type=int, default=4, help="bits for the quantized target: 2, 3, 4, 5, 6, 8 (default 4)")
+    conv.add_argument("--q-group-size", type=int, default=64, help="quantization group size: 32, 64, 128 (default 64)")
+    conv.add_argument("--mtp-bits", type=int, default=None,
+                      help="bits for the MTP head (default: 8 when the target is quantized, else float; 0 keeps it float)")
+    conv.add_argument("--mtp-from", metavar="REPO_OR_PATH",
+                      help="take the head from another checkpoint: hub:OWNER/NAME (downloads only the shards that "
+                           "hold it), a folder, or a head file")
+    conv.add_argument("--allow-missing-head", action="store_true",
+                      help="convert a model whose family has MTP heads even when its checkpoint holds none")
     from .serve.main import add_serve_args
 
     add_serve_args(sub.add_parser("serve", help="an OpenAI-compatible HTTP server with speculative decoding, "

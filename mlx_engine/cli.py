@@ -203,14 +203,38 @@ def run_generate(args) -> int:
 
 
 def run_convert(args) -> int:
-    from .convert import convert
-    from .models import resolve
+    """`convert`: every input checked before the work (one `error:` line, exit status 2)."""
+    from pathlib import Path
 
-    if args.mtp_bits and args.mtp_bits < 8:
+    from .convert import add_head, check_options, convert
+    from .models import resolve
+    from .models.hub import repo_of
+
+    mlx_path = Path(args.mlx_path)
+    if args.mtp_bits is not None and 0 < args.mtp_bits < 8:
         print(f"warning: a {args.mtp_bits}-bit MTP head loses acceptance; 8 bits or more is recommended", file=sys.stderr)
-    out = convert(resolve(args.hf_path), args.mlx_path, quantize=args.quantize, q_bits=args.q_bits,
-                  q_group_size=args.q_group_size, mtp_bits=args.mtp_bits or None)
-    print(f"wrote {out}", file=sys.stderr)
+    try:
+        if args.hf_path is None and args.mtp_from and mlx_path.exists():  # a head for an existing conversion
+            info = add_head(mlx_path, args.mtp_from, args.mtp_bits)
+            q = info["quantization"]
+            print(f"wrote {mlx_path / 'mtp.safetensors'} ({info['family']} head, "
+                  f"{str(q['bits']) + '-bit' if q else 'float'})", file=sys.stderr)
+            return 0
+        check_options(mlx_path, args.q_bits, args.q_group_size, args.mtp_bits)  # before any download
+        src = args.hf_path
+        if src is None:
+            from .models import default_model
+
+            src = default_model()
+        path = resolve(src)
+        out = convert(path, mlx_path, quantize=args.quantize, q_bits=args.q_bits, q_group_size=args.q_group_size,
+                      mtp_bits=args.mtp_bits, mtp_from=args.mtp_from, require_head=not args.allow_missing_head,
+                      base_model=repo_of(src, path))
+    except OSError as e:  # a full disk, a folder that became unwritable
+        raise UsageError(f"cannot write {mlx_path}: {e}") from None
+    head = out / "mtp.safetensors"
+    print(f"wrote {out}" + (" (with its MTP head, mtp.safetensors)" if head.exists() else " (no MTP head)"),
+          file=sys.stderr)
     return 0
 
 

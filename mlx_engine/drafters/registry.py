@@ -24,10 +24,14 @@ class DrafterOptions:
 
     @classmethod
     def for_kind(cls, kind: str, path: str | None, **kw) -> "DrafterOptions":
-        """Options where one path names the drafter's checkpoint (the chat's one 'draft model' field)."""
-        field_name = {"draft": "draft_model", "eagle3": "eagle3", "dflash": "dflash",
-                      "gemma4-assistant": "assistant"}.get(kind.split("+")[-1])
-        return cls(**({field_name: path} if field_name and path else {}), **kw)
+        """Options where one path names the drafter's checkpoint (the chat's one 'draft model' field): a
+        draft model, an MTP head file or hub:OWNER/NAME, or a drafter checkpoint folder or hub repository."""
+        field_name = PATH_FIELDS.get(kind.split("+")[-1])
+        return cls(**{**kw, **({field_name: path} if field_name and path else {})})
+
+
+PATH_FIELDS = {"draft": "draft_model", "mtp": "mtp_weights", "eagle3": "eagle3", "dflash": "dflash",
+               "gemma4-assistant": "assistant"}  # kind -> the option its one path fills
 
 
 def check_same_tokenizer(target_tok, draft_tok, draft_name: str) -> None:
@@ -81,13 +85,31 @@ def _mtp(opts: DrafterOptions, loaded) -> Drafter:
     return load_mtp_drafter(loaded.model, loaded.path, loaded.config, mtp_weights=opts.mtp_weights)
 
 
+def checkpoint_folder(value: str, flag: str) -> str:
+    """A drafter's checkpoint folder as given, or a hub repository (hub:OWNER/NAME[@REV], or OWNER/NAME
+    when no such folder exists) fetched whole into huggingface_hub's cache (drafter repos are small)."""
+    from ..models.hub import HubError, fetch_repo, hub_ref
+
+    try:
+        ref = hub_ref(value)
+        if ref is None:
+            return value
+        if ref.repo is None:
+            raise DrafterError(f"{flag} hub: name the repository, hub:OWNER/NAME")
+        return str(fetch_repo(ref, f"the {flag[2:]} checkpoint"))
+    except HubError as e:
+        where = "" if str(value).startswith("hub:") else f"no folder {value}, and "
+        raise DrafterError(f"{flag} {value}: {where}{e}") from None
+
+
 def _eagle3(opts: DrafterOptions, loaded) -> Drafter:
     from .eagle3 import Eagle3Error, load_eagle3_drafter
 
     if not opts.eagle3:
         raise DrafterError("--drafter eagle3 needs --eagle3 PATH (an EAGLE-3 checkpoint folder)")
+    folder = checkpoint_folder(opts.eagle3, "--eagle3")
     try:
-        return load_eagle3_drafter(opts.eagle3, loaded.model)
+        return load_eagle3_drafter(folder, loaded.model)
     except (Eagle3Error, OSError) as e:
         raise DrafterError(f"--eagle3: {e}") from None
 
@@ -97,8 +119,9 @@ def _dflash(opts: DrafterOptions, loaded) -> Drafter:
 
     if not opts.dflash:
         raise DrafterError("--drafter dflash needs --dflash PATH (a DFlash checkpoint folder)")
+    folder = checkpoint_folder(opts.dflash, "--dflash")
     try:
-        return DFlashDrafter(load_dflash(opts.dflash), loaded.model)
+        return DFlashDrafter(load_dflash(folder), loaded.model)
     except (DFlashError, OSError, KeyError) as e:
         raise DrafterError(f"--dflash {opts.dflash}: {e}") from None
 
@@ -108,8 +131,9 @@ def _gemma4_assistant(opts: DrafterOptions, loaded) -> Drafter:
 
     if not opts.assistant:
         raise DrafterError("--drafter gemma4-assistant needs --assistant PATH (a Gemma 4 assistant checkpoint folder)")
+    folder = checkpoint_folder(opts.assistant, "--assistant")
     try:
-        return Gemma4AssistantDrafter(load_assistant(opts.assistant), loaded.model)
+        return Gemma4AssistantDrafter(load_assistant(folder), loaded.model)
     except (ValueError, OSError, KeyError) as e:
         raise DrafterError(f"--assistant {opts.assistant}: {e}") from None
 

@@ -43,13 +43,16 @@ def resolve(path_or_repo: str) -> Path:
         return p
     if p.suffix == ".gguf" or not _looks_like_repo_id(path_or_repo):
         raise ModelLoadError(f"model not found: {path_or_repo} (no such file or folder)")
+    import os
+
     from huggingface_hub import snapshot_download
 
-    try:
+    try:  # README.md: its front matter names the base model (a conversion's MTP head lives there)
         return Path(
             snapshot_download(
-                path_or_repo,
-                allow_patterns=["*.json", "*.safetensors", "*.py", "tokenizer.model", "*.tiktoken", "*.txt", "*.jinja"],
+                path_or_repo, endpoint=os.environ.get("HF_ENDPOINT") or None,
+                allow_patterns=["*.json", "*.safetensors", "*.py", "tokenizer.model", "*.tiktoken", "*.txt", "*.jinja",
+                                "README.md"],
             )
         )
     except Exception as e:  # network errors, missing repo, gated repo...

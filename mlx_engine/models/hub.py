@@ -114,8 +114,9 @@ def gb(n: int | None) -> str:
     return "?" if n is None else f"{n / 1e9:.1f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
 
 
-def fetch_head(ref: HubRef, say=_say) -> Path:
-    """The MTP head of `ref.repo` as a local safetensors file (HF names, bytes as published)."""
+def fetch_head(ref: HubRef, target_config: dict | None = None, say=_say) -> Path:
+    """The MTP head of `ref.repo` as a local safetensors file (HF names, bytes as published). With
+    `target_config`, a repository of a model shaped otherwise is refused before any shard is fetched."""
     folder = head_dir(ref)
     if (folder / HEAD_FILE).is_file() and (folder / "source.json").is_file():
         return folder / HEAD_FILE
@@ -123,6 +124,8 @@ def fetch_head(ref: HubRef, say=_say) -> Path:
     if HEAD_FILE in files and INDEX not in files:  # a head file of its own (convert's or train-mtp's output)
         return _copy_head_file(ref, folder, files, say)
     config = json.loads(_download(ref, "config.json").read_text())
+    if target_config is not None:
+        check_same_model(source_fields(config), target_config, ref.repo)
     try:
         is_head, is_copy = head_key_predicate(config), copy_predicate(config)
     except MTPWeightsError as e:
@@ -204,7 +207,21 @@ def source_fields(config: dict) -> dict:
     from .config import text_config
 
     tc = text_config(config)
-    return {k: tc.get(k) for k in SOURCE_FIELDS}
+    return {**{k: tc.get(k) for k in SOURCE_FIELDS}, "model_type": config.get("model_type")}
+
+
+def check_same_model(source: dict, target_config: dict, source_name) -> None:
+    """A head from `source` (source_fields of its model) must fit the target: same family and shapes."""
+    from .config import text_config
+    from .mtp_tensors import FAMILIES, HeadMismatchError
+
+    tc = text_config(target_config)
+    for key, want in source.items():
+        have = tc.get(key)
+        if key == "model_type":
+            want, have = FAMILIES.get(want, want), FAMILIES.get(target_config.get("model_type"), have)
+        if want is not None and have is not None and want != have:
+            raise HeadMismatchError(f"the MTP head of {source_name} is for {key} {want}; the target has {key} {have}")
 
 
 def fetch_repo(ref: HubRef, what: str) -> Path:
@@ -216,6 +233,17 @@ def fetch_repo(ref: HubRef, what: str) -> Path:
                                       allow_patterns=["*.json", "*.safetensors", "*.txt", "*.jinja"]))
     except Exception as e:
         raise _fail(ref, what, e) from None
+
+
+def repo_of(name, path) -> str | None:
+    """The hub repository a model came from: `name` when it is a repo id, else read off a path inside
+    huggingface_hub's cache (<cache>/models--OWNER--NAME/snapshots/<commit>)."""
+    if name is not None and not Path(str(name)).expanduser().exists() and _REPO.match(str(name)):
+        return str(name)
+    for part in Path(path).resolve().parts:
+        if part.startswith("models--") and part.count("--") >= 2:
+            return part[len("models--"):].replace("--", "/", 1)
+    return None
 
 
 def base_model_of(folder) -> str | None:

@@ -130,7 +130,7 @@ def _load_trained(model: nn.Module, config: dict, path: Path, dtype) -> MTPHead:
 
 def load_head(model: nn.Module, model_path, config: dict, mtp_weights=None, dtype="auto") -> MTPHead:
     """Build the family's head and load its weights (see the module docstring for where from)."""
-    mtp_weights = sources.resolve(mtp_weights, model_path)
+    mtp_weights = sources.resolve(mtp_weights, model_path, config)
     if mtp_weights is not None:
         sources.check_head_file(Path(mtp_weights))
     elif model_path is not None and Path(model_path).is_file():  # a GGUF: no folder to find a head in,

@@ -23,9 +23,8 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from ...models.config import text_config
 from ...models.hf import check_complete, read_head_shards
-from ...models.hub import HubError, HubRef, base_model_of, fetch_head, head_dir, hub_ref
+from ...models.hub import HubError, HubRef, base_model_of, check_same_model, fetch_head, head_dir, hub_ref
 from ...models.mtp_tensors import HEAD_FILE, HEAD_FORMAT, HEAD_JSON, FAMILIES, HeadMismatchError, \
     MissingHeadError, MTPWeightsError, head_key_predicate
 
@@ -39,8 +38,9 @@ class Source:
     hf_keys: set = field(default_factory=set)
 
 
-def resolve(mtp_weights, model_path):
-    """A hub reference fetched into the cache (its local file); anything else as given."""
+def resolve(mtp_weights, model_path, config: dict | None = None):
+    """A hub reference fetched into the cache (its local file); anything else as given. With the target's
+    `config`, a repository of another model is refused before its shards are fetched."""
     try:
         ref = hub_ref(mtp_weights)
         if ref is None:
@@ -52,7 +52,7 @@ def resolve(mtp_weights, model_path):
                     f"--mtp-weights hub: {model_path} names no base model (no base_model in its README.md or "
                     "config.json); name the repository that holds the head: --mtp-weights hub:OWNER/NAME")
             ref = HubRef(base)
-        return fetch_head(ref)
+        return fetch_head(ref, config)
     except HubError as e:
         raise MTPWeightsError(str(e)) from None
 
@@ -112,14 +112,7 @@ def _check_source(meta: dict, config: dict, path: Path) -> None:
         src = json.loads(meta.get("source_config") or "{}")
     except ValueError:
         return
-    tc = text_config(config)
-    for key, want in src.items():
-        have = tc.get(key)
-        if key == "model_type":
-            want, have = FAMILIES.get(want, want), FAMILIES.get(config.get("model_type"), have)
-        if want is not None and have is not None and want != have:
-            raise HeadMismatchError(f"{path} is the MTP head of {meta.get('source', 'another model')} ({key} "
-                                    f"{want}); the target has {key} {have}")
+    check_same_model(src, config, f"{meta.get('source', 'another model')} ({path})")
 
 
 def read_head_file(path: Path, config: dict, gguf_dtype=mx.float32):
