@@ -3,8 +3,8 @@
     convert(src, mlx_path, quantize=False, q_bits=4, q_group_size=64, mtp_bits=None, mtp_from=None)
     add_head(mlx_path, mtp_from, mtp_bits=None)   # a head for an existing MLX conversion
 
-`src` is a Hugging Face layout folder, an MLX folder (the embedded default's included), a hub id or a GGUF
-file. The target is written as mlx-lm writes it (model*.safetensors, config.json, tokenizer files;
+`src` is a Hugging Face layout folder, an MLX folder (the embedded default's included) or a hub id. The
+target is written as mlx-lm writes it (model*.safetensors, config.json, tokenizer files;
 quantized with q_bits / q_group_size when asked); the head, wherever load_head finds it (the HF shards
 named in the index, FP8 dequantised, experts stacked, zero-centred norms shifted; an mtp.safetensors beside
 the model, trained here or converted before; `mtp_from`: another checkpoint, file or `hub:OWNER/NAME`), is
@@ -59,11 +59,10 @@ def _config(folder: Path) -> dict:
 
 
 def check_source(src: Path, quantize: bool) -> dict:
-    """A local source folder (or GGUF file) that can be converted: its config, checked before any work."""
+    """A local source folder that can be converted: its config, checked before any work."""
     if src.is_file():
-        if src.suffix != ".gguf":
-            raise ConvertError(f"{src} is a file but not a .gguf: convert takes a model folder, hub id or GGUF file")
-        return {}
+        raise ConvertError(f"{src} is a file: convert takes a model folder or hub id (a .gguf loads as it is: "
+                           "--model FILE.gguf; the embedded default converts from its folder: omit --hf-path)")
     cfg = _config(src)
     from mlx_lm.utils import _get_classes
 
@@ -139,8 +138,13 @@ def find_head(model, src: Path, config: dict, mtp_from, require: bool):
             raise
         return None  # a llama, gemma, ... with no head beside it: nothing to keep
     except MissingHeadError:
-        if mtp_from is not None or (require and config.get("model_type") in FAMILIES):
+        if mtp_from is not None:
             raise
+        if require and config.get("model_type") in FAMILIES:
+            raise MissingHeadError(
+                f"{config.get('model_type')}: {src} holds no MTP head weights to keep (MLX conversions strip them): "
+                "take the head from the original checkpoint with --mtp-from REPO_OR_PATH (hub:OWNER/NAME fetches "
+                "only the shards that hold it), or convert without one: --allow-missing-head") from None
         return None
 
 
@@ -150,12 +154,7 @@ def _write_card(out: Path, base: str | None) -> None:
 
 
 def _load(src: Path):
-    """(model, tokenizer, config) of a folder or a GGUF file, lazily, in the checkpoint's dtypes."""
-    if src.is_file():
-        from .models.gguf import load_gguf
-
-        model, tokenizer, config = load_gguf(src, dtype=None)
-        return model, tokenizer, dict(config)
+    """(model, tokenizer, config) of a model folder, lazily, in the checkpoint's dtypes."""
     from mlx_lm.utils import load_tokenizer
 
     from .models.hf import load_model
@@ -167,7 +166,7 @@ def _load(src: Path):
 def convert(src, mlx_path, quantize: bool = False, q_bits: int = 4, q_group_size: int = 64,
             mtp_bits: int | None = None, dtype: str | None = None, require_head: bool = True, mtp_from=None,
             base_model: str | None = None) -> Path:
-    """Convert `src` (a local folder or GGUF file) to MLX at `mlx_path`, keeping its MTP head. Returns mlx_path.
+    """Convert `src` (a local model folder) to MLX at `mlx_path`, keeping its MTP head. Returns mlx_path.
 
     require_head: raise MissingHeadError when the family has a native head but neither the checkpoint nor
     `mtp_from` holds one (False: convert it anyway, without mtp.safetensors)."""
@@ -202,10 +201,8 @@ def convert(src, mlx_path, quantize: bool = False, q_bits: int = 4, q_group_size
         save_model(mlx_path, model, donate_model=False)
         save_config(config, mlx_path / "config.json")
         tokenizer.save_pretrained(str(mlx_path))
-        if src.is_dir():
-            for f in ("generation_config.json",):
-                if (src / f).is_file():
-                    shutil.copy(src / f, mlx_path / f)
+        if (src / "generation_config.json").is_file():
+            shutil.copy(src / "generation_config.json", mlx_path / "generation_config.json")
         _write_card(mlx_path, base_model)
     except BaseException:  # an error or Ctrl-C: no half-written model left behind
         shutil.rmtree(mlx_path, ignore_errors=True)
