@@ -11,7 +11,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     cli.add_generate_args(sub.add_parser("generate", help="generate text with (or without) speculative decoding"))
     conv = sub.add_parser("convert", help="convert a model to MLX, keeping its MTP head (or adding one)")
-    conv.add_argument("--hf-path", help="HF-layout or MLX folder, hub repo id or .gguf file (default: the embedded "
+    conv.add_argument("--hf-path", help="HF-layout or MLX folder, or hub repo id (default: the embedded "
                                         "SmolLM2-135M-Instruct, with its trained head)")
     conv.add_argument("--mlx-path", required=True,
                       help="output folder (must not exist); with --mtp-from and no --hf-path, an existing MLX "
