@@ -137,3 +137,15 @@ def test_drafter_repositories_come_whole(tmp_path, hub, kind, field):
     drafter = make_drafter(kind, loaded(model), DrafterOptions(**{field: "hub:someone/drafter"}))
     assert drafter is not None
     assert hub.fetched("someone/drafter") == {"config.json": 1, "model.safetensors": 1}
+
+
+def test_convert_mtp_from_the_hub_adds_the_head_to_a_conversion(tmp_path, hub, capsys):
+    write_real(tmp_path / "orig", "deepseek_v3/fp8", shards=4)
+    hub.add("deepseek-ai/DeepSeek-V3", tmp_path / "orig")
+    conv = conversion(tmp_path, tmp_path / "orig", None)
+    assert main(["convert", "--mlx-path", conv, "--mtp-from", "hub:deepseek-ai/DeepSeek-V3"]) == 0, capsys.readouterr()
+    assert hub.fetched("deepseek-ai/DeepSeek-V3") == {"config.json": 1, "model.safetensors.index.json": 1,
+                                                      "model-00004-of-00004.safetensors": 1}
+    code, plain = run(capsys, "--model", conv, "--drafter", "none")
+    code, spec = run(capsys, "--model", conv, "--drafter", "mtp", "--num-draft", "2")  # found beside the model
+    assert code == 0 and spec["tokens"] == plain["tokens"] and spec["stats"]["drafted"] > 0
