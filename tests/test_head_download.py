@@ -149,3 +149,19 @@ def test_convert_mtp_from_the_hub_adds_the_head_to_a_conversion(tmp_path, hub, c
     code, plain = run(capsys, "--model", conv, "--drafter", "none")
     code, spec = run(capsys, "--model", conv, "--drafter", "mtp", "--num-draft", "2")  # found beside the model
     assert code == 0 and spec["tokens"] == plain["tokens"] and spec["stats"]["drafted"] > 0
+
+
+def test_hub_reference_forms(tmp_path, monkeypatch):
+    from mlx_engine.models.hub import HubError, HubRef, hub_ref
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "heads").mkdir()
+    (tmp_path / "heads" / "mine").write_text("")
+    assert hub_ref("hub:deepseek-ai/DeepSeek-V3") == HubRef("deepseek-ai/DeepSeek-V3")
+    assert hub_ref("hub:Qwen/Qwen3.6-27B@abc123") == HubRef("Qwen/Qwen3.6-27B", "abc123")
+    assert hub_ref("XiaomiMiMo/MiMo-7B-RL") == HubRef("XiaomiMiMo/MiMo-7B-RL")  # bare: no such path here
+    assert hub_ref("hub") == hub_ref("hub:") == HubRef(None)  # the target's base_model
+    for local in ("heads/mine", "missing/mtp.safetensors", str(tmp_path / "x"), "x", None):
+        assert hub_ref(local) is None, local  # a path (even a missing file) is never sent to the hub
+    with pytest.raises(HubError, match="hub:OWNER/NAME"):
+        hub_ref("hub:just-a-name")

@@ -31,6 +31,7 @@ from .safetensors_file import copy_tensors, read_header
 PREFIX = "hub:"
 INDEX = "model.safetensors.index.json"
 _REPO = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+_FILE_SUFFIXES = (".safetensors", ".gguf", ".json", ".bin", ".pt", ".pth")
 
 
 class HubError(ValueError):
@@ -51,10 +52,11 @@ def hub_ref(value) -> HubRef | None:
     if value is None:
         return None
     s = str(value)
-    if s in ("hub", PREFIX):
+    if s == PREFIX or (s == "hub" and not Path(s).exists()):
         return HubRef(None)
     explicit = s.startswith(PREFIX)
-    if not explicit and (Path(s).expanduser().exists() or not _REPO.match(s.split("@")[0])):
+    if not explicit and (Path(s).expanduser().exists() or not _REPO.match(s.split("@")[0])
+                         or s.endswith(_FILE_SUFFIXES)):  # a missing file, not a repository
         return None
     repo, _, rev = s[len(PREFIX):].partition("@") if explicit else s.partition("@")
     if not _REPO.match(repo):
