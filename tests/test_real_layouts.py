@@ -168,3 +168,25 @@ def test_deepseek_fp8_head_is_dequantised_from_its_bytes(real):
         checked += 1
     assert checked >= len(fp8) - 1
     np.testing.assert_array_equal(np.array(params["layers.0.eh_proj.weight"]), stored[f"model.layers.{n}.eh_proj.weight"])
+
+
+def test_a_folder_with_only_the_head_shard_serves_as_mtp_weights(real, tmp_path):
+    """As after `hf download REPO config.json model.safetensors.index.json <the head's shard>`."""
+    import shutil
+
+    from mlx_engine.convert import convert
+    from mlx_engine.drafters.registry import DrafterOptions
+
+    folder, info = real("deepseek_v3/fp8")
+    part = tmp_path / "head-only"
+    part.mkdir()
+    for f in ("config.json", "model.safetensors.index.json", info["head_file"]):
+        shutil.copy(folder / f, part / f)
+    target = convert(folder, tmp_path / "q", quantize=True, q_group_size=32, require_head=False)
+    (target / "mtp.safetensors").unlink()
+    loaded = load(str(target))
+    drafter = make_drafter("mtp", loaded, DrafterOptions(mtp_weights=str(part)))
+    assert generate(loaded.model, drafter, 2, n=N) == mlx_lm_greedy(loaded.model, PROMPT, N)
+    (part / info["head_file"]).unlink()
+    with pytest.raises(MTPWeightsError, match=re.escape(info["head_file"])):
+        make_drafter("mtp", loaded, DrafterOptions(mtp_weights=str(part)))
