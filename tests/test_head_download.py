@@ -17,7 +17,7 @@ from eagle3_writer import write_eagle3
 from fake_hub import FakeHub
 from mlx_engine.__main__ import main
 from mlx_engine.convert import convert
-from mlx_engine.drafters.registry import DrafterOptions, make_drafter
+from mlx_engine.drafters.registry import DrafterError, DrafterOptions, make_drafter
 from real_fixtures import write_real
 from test_mtp_helpers import PROMPT
 from test_real_drafter_layouts import loaded
@@ -165,3 +165,12 @@ def test_hub_reference_forms(tmp_path, monkeypatch):
         assert hub_ref(local) is None, local  # a path (even a missing file) is never sent to the hub
     with pytest.raises(HubError, match="hub:OWNER/NAME"):
         hub_ref("hub:just-a-name")
+
+
+def test_a_pickled_drafter_repository_is_refused_without_downloading_it(tmp_path, hub):
+    model = drafter_repo("eagle3", tmp_path / "repo")
+    (tmp_path / "repo" / "model.safetensors").rename(tmp_path / "repo" / "pytorch_model.bin")
+    hub.add("yuhuili/EAGLE3-LLaMA3.1-Instruct-8B", tmp_path / "repo")
+    with pytest.raises(DrafterError, match="pytorch_model.bin"):
+        make_drafter("eagle3", loaded(model), DrafterOptions(eagle3="hub:yuhuili/EAGLE3-LLaMA3.1-Instruct-8B"))
+    assert "pytorch_model.bin" not in hub.fetched("yuhuili/EAGLE3-LLaMA3.1-Instruct-8B")

@@ -231,10 +231,17 @@ def fetch_repo(ref: HubRef, what: str) -> Path:
     from huggingface_hub import snapshot_download
 
     try:
-        return Path(snapshot_download(ref.repo, revision=ref.revision, endpoint=_endpoint(),
-                                      allow_patterns=["*.json", "*.safetensors", "*.txt", "*.jinja"]))
+        folder = Path(snapshot_download(ref.repo, revision=ref.revision, endpoint=_endpoint(),
+                                        allow_patterns=["*.json", "*.safetensors", "*.txt", "*.jinja"]))
     except Exception as e:
         raise _fail(ref, what, e) from None
+    if not any(folder.glob("*.safetensors")):
+        pickles = [f for f in _files(ref) if f.endswith((".bin", ".pt", ".pth"))]
+        if pickles:  # e.g. yuhuili/EAGLE3-LLaMA3.1-Instruct-8B: not downloaded, never unpickled
+            raise HubError(f"{ref.repo} ships its weights as {', '.join(pickles[:3])} (PyTorch pickles, which this "
+                           "engine does not load); use a safetensors copy of it, or save one with safetensors' "
+                           "save_file(torch.load(FILE), 'model.safetensors') next to its config.json")
+    return folder
 
 
 def repo_of(name, path) -> str | None:
