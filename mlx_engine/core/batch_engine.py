@@ -31,6 +31,7 @@ import copy
 import time
 
 import mlx.core as mx
+from mlx.utils import tree_flatten, tree_map
 
 from .. import host
 from ..drafters.base import Draft, Verdict, hidden_request
@@ -38,6 +39,7 @@ from ..drafters.mtp.batched import BatchedMTP, batchable_mtp
 from ..sampling import SamplingConfig
 from ..target import prefix_cache as prefix_ops
 from ..target.batch_cache import BatchKVCache, append_sequence, batchable
+from ..target.cache import check_kv_quantization
 from ..target.fixed_rows import make_invariant_batches
 from ..target.model import Target
 from . import invariance_default
@@ -45,6 +47,7 @@ from .batch_policy import BatchPolicy, FixedBatchPolicy
 from .batch_prefill import Prefilling, PrefillQueue
 from .batch_sequence import Output, RunningSequence
 from .context import check_context
+from .memory import MemoryBudget
 from .verify import choose_row
 
 
@@ -54,18 +57,26 @@ class BatchEngine:
     def __init__(self, model, drafter=None, num_draft: int | str = "auto", max_batch: int = 8, max_draft: int = 8,
                  prefill_step: int = 512, prefix_cache_bytes: int = 1 << 30, batched_drafting: bool = True,
                  batch_invariant: bool | str | None = None, context_length: int | None = None,
-                 idle_budget: float = 1.0):
+                 idle_budget: float = 1.0, kv_bits: int | None = None, kv_group_size: int = 64,
+                 memory: MemoryBudget | None = None):
         """batch_invariant: every step's rows batch invariant ("kernels" / True; None: as Engine's default),
         so each sequence's tokens equal, bit for bit, that request decoded alone by Engine(batch_invariant=True).
         prefill_step: the largest prefill chunk; prefix_cache_bytes: the prefix tree's budget (0: none);
         context_length: prompt + max_tokens beyond it are refused (None: not checked); idle_budget: seconds
-        a prefill chunk may take when no sequence is decoding."""
-        if batch_invariant is None:
-            batch_invariant = invariance_default.default_invariance(several_sequences=True)
+        a prefill chunk may take when no sequence is decoding. kv_bits / kv_group_size: the target's KV cache
+        quantized (each row's entries, target/batch_cache.py), as in Engine. memory: a budget (core/memory.py):
+        a request that cannot fit even alone is refused at add(); `can_admit` tells whether one fits now."""
+        self.memory = memory
+        check_kv_quantization(kv_bits, kv_group_size)
+        if batch_invariant is None:  # the device's default, unless the KV cache is quantized (not covered)
+            batch_invariant = invariance_default.default_invariance(several_sequences=True) if kv_bits is None else False
+        if kv_bits is not None and batch_invariant not in (False, "off"):
+            raise ValueError("batch-invariant decoding does not cover a quantized KV cache yet: use one or the other")
         rows, why_not = make_invariant_batches(model, batch_invariant)
         self.batch_invariant = rows is not None
         self.max_k = rows - 1 if rows else 1 << 30  # the invariance covers passes of k + 1 <= rows tokens
-        self.target = Target(model)
+        self.target = Target(model, kv_bits, kv_group_size)
+        self.target.check_cache()
         self.drafter = drafter  # the prototype: every sequence drafts with its own copy
         self.want_hidden = hidden_request(drafter)
         # an MTP head drafts for all rows in one pass; any other drafter with a copy per row
@@ -115,6 +126,21 @@ class BatchEngine:
         if max(prompt) >= vocab or min(prompt) < 0:
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
         check_context(len(prompt), max_tokens, self.context_length)
+        if self.memory is not None:
+            self.memory.check_sequence(len(prompt) + max_tokens)
+
+    def _extent(self, s: RunningSequence) -> int:
+        return len(s.prompt) + s.max_tokens
+
+    def can_admit(self, prompt_tokens: int, max_tokens: int) -> bool:
+        """Whether a new request fits the memory budget beside the running and waiting ones now. The batch
+        cache gives every row the longest row's capacity, so that is what is counted."""
+        if self.memory is None:
+            return True
+        extents = [self._extent(s) for s in self.seqs] + [self._extent(p.seq) for p in self.prefills.waiting]
+        rows = len(extents) + 1
+        need = rows * max(extents + [prompt_tokens + max_tokens]) * self.memory.kv_per_token
+        return need <= self.memory.limit - self.memory.base
 
     def add(self, seq_id, prompt: list[int], max_tokens: int, sampling: SamplingConfig | None = None, seed: int = 0,
             stop_tokens: frozenset[int] = frozenset(), num_draft: int | str | None = None) -> None:
@@ -225,7 +251,7 @@ class BatchEngine:
             s = self.seqs[i]
             fed = s.history[:-1]  # every committed token but the last is in the cache
             if self.prefix_cache is not None and len(fed) > self.prefix_cache.match(fed):
-                states = [tuple(a[:, :, : len(fed)] for a in bc.row(i)) for bc in self.cache]
+                states = [tree_map(lambda a: a[:, :, : len(fed)], bc.row(i)) for bc in self.cache]
                 hidden = mx.concatenate(s.hidden_rows)[: len(fed)] if s.hidden_rows else None
                 if self.prefix_cache.with_hidden and (hidden is None or hidden.shape[0] < len(fed)):
                     continue
@@ -369,6 +395,4 @@ class BatchEngine:
 
 def _arrays(c) -> list:
     """The arrays of a single-sequence layer cache (a quantized cache's keys are triples)."""
-    from mlx.utils import tree_flatten
-
     return [a for _, a in tree_flatten((c.keys, c.values)) if a is not None] if c.keys is not None else []

@@ -29,6 +29,7 @@ from ..drafters.base import Draft, Drafter, HiddenRequest, Verdict, hidden_reque
 from . import invariance_default, members
 from .context import check_context
 from .held_cache import HeldCache
+from .memory import MemoryBudget
 from .policy import AdaptivePolicy
 from ..sampling import SamplingConfig, probabilities, process_logits
 from .stats import SpecStats
@@ -79,7 +80,8 @@ class Engine:
     def __init__(
         self, model: nn.Module, drafter: Drafter | None = None, max_draft: int | None = None,
         batch_invariant: bool | str | None = None, context_length: int | None = None,
-        prefix_cache_bytes: int = 0,
+        prefix_cache_bytes: int = 0, kv_bits: int | None = None, kv_group_size: int = 64,
+        memory: MemoryBudget | None = None,
     ):
         """max_draft: the longest draft the adaptive policy tries (None: the drafter's own, else 8).
         batch_invariant: decode (plain and verify) batch invariant, so speculative output equals plain output
@@ -89,13 +91,21 @@ class Engine:
         it is refused before any work (ContextLengthError). None: not checked.
         prefix_cache_bytes: > 0 keeps a prefix tree of that size (target/prefix_cache.py) that prompts of other
         conversations start from, filled after each generation (`held.prefix_cache_off` says why a model's
-        cache cannot be kept by prefix)."""
+        cache cannot be kept by prefix).
+        kv_bits / kv_group_size: the target's KV cache quantized (target/cache.py); plain and speculative
+        decoding then share that cache, and speculative output equals plain output with it.
+        memory: a budget (core/memory.py) each prompt + max_tokens is checked against before any work."""
+        self.memory = memory
         self.context_length = context_length
-        if batch_invariant is None:
-            batch_invariant = invariance_default.default_invariance()
+        if batch_invariant is None:  # the device's default, unless the KV cache is quantized (not covered)
+            batch_invariant = invariance_default.default_invariance() if kv_bits is None else False
+        cache_ops.check_kv_quantization(kv_bits, kv_group_size)
+        if kv_bits is not None and batch_invariant not in (False, "off"):
+            raise ValueError("batch-invariant decoding does not cover a quantized KV cache yet: use one or the other")
         self.max_rows = make_invariant(model, batch_invariant)  # invariant passes: k + 1 <= max_rows
         self.batch_invariant = self.max_rows is not None
-        self.target = Target(model)
+        self.target = Target(model, kv_bits, kv_group_size)
+        self.target.check_cache()
         self.drafter = drafter
         self.max_draft = max_draft
         self.policy = AdaptivePolicy(**members.settings(drafter, max_draft))  # kept across generations
@@ -114,6 +124,11 @@ class Engine:
     @property
     def _cached(self) -> list[int]:
         return self.held.tokens
+
+    def kv_bytes(self) -> int:
+        """Bytes of the target's KV cache and the prefix tree."""
+        tree = self.held.prefix_cache
+        return cache_ops.kv_bytes(self.cache) + (tree.nbytes if tree is not None else 0)
 
     # -- the one place where cache bookkeeping happens -------------------------------------------
     def _commit(self, ckpt, verdict: Verdict, hidden) -> None:
@@ -242,6 +257,8 @@ class Engine:
         if max(prompt) >= vocab or min(prompt) < 0:
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
         check_context(len(prompt), max_tokens, self.context_length)
+        if self.memory is not None:
+            self.memory.check_sequence(len(prompt) + max_tokens)
 
     def _start(self, prompt: list[int], cfg: GenerationConfig, want_hidden: HiddenRequest | None) -> int | None:
         """Prefill, sample the first token, and start the drafter on the prompt + that token.

@@ -57,3 +57,17 @@ def hidden_request(drafter) -> HiddenRequest | None:
     if drafter is None or not getattr(drafter, "needs_hidden", False):
         return None
     return getattr(drafter, "hidden_request", None) or FINAL_HIDDEN
+
+
+def quantize_kv(drafter, bits: int | None, group_size: int = 64) -> str | None:
+    """Ask a drafter to keep its own KV cache quantized (its choice is separate from the target's).
+    None when it will, else why not (it then keeps full precision). Drafters that can set
+    `kv_quantizable = True` and make their caches through target.cache.quantized(..., *drafter.kv_quant)."""
+    if bits is None:
+        return None
+    inner = getattr(drafter, "model", None) if hasattr(drafter, "ngram") else drafter  # a chain: its model drafter
+    if inner is None or not getattr(inner, "kv_quantizable", False):
+        name = getattr(inner, "name", None) or getattr(drafter, "name", "this drafter")
+        return f"the {name} drafter keeps no quantizable KV cache"
+    inner.kv_quant = (bits, group_size)
+    return None

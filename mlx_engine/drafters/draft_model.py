@@ -32,6 +32,8 @@ def _fit_vocab(logits: mx.array, vocab: int) -> mx.array:
 class DraftModelDrafter:
     name = "draft"
     needs_hidden = False
+    kv_quantizable = True
+    kv_quant: tuple[int, int] | None = None  # (bits, group size) of its own KV cache (drafters.base.quantize_kv)
 
     def __init__(self, model: nn.Module, vocab_size: int, prefill_step: int = 2048,
                  vocab_subset: mx.array | None = None):
@@ -64,7 +66,7 @@ class DraftModelDrafter:
 
     def begin(self, tokens: list[int], hidden: mx.array | None = None) -> None:
         """The prompt is left pending: fed by the first propose, or a piece at a time by prefill_pending."""
-        self.cache = cache_ops.make_cache(self.model)
+        self.cache = cache_ops.make_cache(self.model, *(self.kv_quant or (None,)))
         self.history = list(tokens)
         self.pending = tokens[:-1]
 

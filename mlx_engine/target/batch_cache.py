@@ -10,20 +10,36 @@ Entries past a row's length are stale and masked out.
 Rollback is per row and free: `trim_row(i, n)` lowers lens[i] (a verify pass's rejected drafts, or the
 padding of a row that fed fewer than T tokens). Rows join (`add_row`, from a single-sequence prefill) and
 leave (`keep_rows`) between passes.
+
+QuantizedBatchKVCache holds each entry as mlx-lm's QuantizedKVCache does, (data, scales, biases) per
+token in groups along the head dimension (`bits` / `group_size` make mlx-lm's attention take the
+quantized path); each part is [B, H, cap, *] and moves like the plain arrays above.
 """
 
 from __future__ import annotations
 
 import mlx.core as mx
+from mlx.utils import tree_flatten, tree_map
 
 STEP = 256  # capacity grows in steps of this many positions
 
 
+def _pad(x: mx.array, n: int, axis: int = 2) -> mx.array:
+    """x with n zero positions appended along axis."""
+    shape = list(x.shape)
+    shape[axis] = n
+    return mx.concatenate([x, mx.zeros(shape, dtype=x.dtype)], axis=axis)
+
+
 class BatchKVCache:
     def __init__(self):
-        self.keys: mx.array | None = None  # [B, H, cap, D]
-        self.values: mx.array | None = None
+        self.keys = None  # [B, H, cap, D] (a quantized cache: a tuple of such parts)
+        self.values = None
         self.lens: list[int] = []
+
+    def _encode(self, x: mx.array):
+        """A pass's new keys or values as stored (identity here; quantized in the subclass)."""
+        return x
 
     # -- what mlx-lm's attention calls --------------------------------------------------------------
     @property
@@ -44,38 +60,46 @@ class BatchKVCache:
         b, h, t, d = keys.shape
         if b != len(self.lens):
             raise ValueError(f"a pass of {b} rows into a cache of {len(self.lens)}")
+        keys, values = self._encode(keys), self._encode(values)
         self._reserve(max(self.lens) + t, keys, values)
         pos = mx.array(self.lens, dtype=mx.int32)[:, None] + mx.arange(t, dtype=mx.int32)[None]
         pos = pos[:, None, :, None]
-        self.keys = mx.put_along_axis(self.keys, mx.broadcast_to(pos, keys.shape), keys, axis=2)
-        self.values = mx.put_along_axis(self.values, mx.broadcast_to(pos, values.shape),
-                                        values.astype(self.values.dtype), axis=2)
+
+        def put(stored, new):
+            return mx.put_along_axis(stored, mx.broadcast_to(pos, new.shape), new.astype(stored.dtype), axis=2)
+
+        self.keys = tree_map(put, self.keys, keys)
+        self.values = tree_map(put, self.values, values)
         self.lens = [n + t for n in self.lens]
         end = max(self.lens)
-        return self.keys[..., :end, :], self.values[..., :end, :]
+        return tree_map(lambda x: x[..., :end, :], (self.keys, self.values))
 
     @property
     def state(self):
-        return [a for a in (self.keys, self.values) if a is not None]
+        return [a for _, a in tree_flatten((self.keys, self.values)) if a is not None] if self.keys is not None else []
 
     def is_trimmable(self) -> bool:
         return True
 
     # -- rows ------------------------------------------------------------------------------------------
-    def _reserve(self, need: int, keys: mx.array, values: mx.array) -> None:
+    def _reserve(self, need: int, keys, values) -> None:
         """Capacity for `need` positions per row (keys and values may differ in heads and width: MLA)."""
-        cap = 0 if self.keys is None else self.keys.shape[2]
+        cap = 0 if self.keys is None else tree_flatten(self.keys)[0][1].shape[2]
         if need <= cap:
             return
         new = ((need + STEP - 1) // STEP) * STEP
         b = len(self.lens)
-        pk = mx.zeros((b, keys.shape[1], new - cap, keys.shape[3]), dtype=keys.dtype)
-        pv = mx.zeros((b, values.shape[1], new - cap, values.shape[3]), dtype=values.dtype)
+
+        def grow(stored, like):
+            extra = mx.zeros((b, like.shape[1], new - cap, like.shape[3]), dtype=like.dtype)
+            return extra if stored is None else mx.concatenate([stored, extra.astype(stored.dtype)], axis=2)
+
         if self.keys is None:
-            self.keys, self.values = pk, pv
+            self.keys = tree_map(lambda like: grow(None, like), keys)
+            self.values = tree_map(lambda like: grow(None, like), values)
         else:
-            self.keys = mx.concatenate([self.keys, pk.astype(self.keys.dtype)], axis=2)
-            self.values = mx.concatenate([self.values, pv.astype(self.values.dtype)], axis=2)
+            self.keys = tree_map(grow, self.keys, keys)
+            self.values = tree_map(grow, self.values, values)
 
     def trim_row(self, i: int, n: int) -> None:
         """Drop the last n entries of row i."""
@@ -83,17 +107,19 @@ class BatchKVCache:
             raise ValueError(f"cannot trim {n} of row {i}'s {self.lens[i]} entries")
         self.lens[i] -= n
 
-    def add_row(self, keys: mx.array, values: mx.array) -> None:
-        """Append a sequence whose entries are keys/values [1, H, L, D] (L = its length)."""
-        n = keys.shape[2]
+    def add_row(self, keys, values) -> None:
+        """Append a sequence whose entries are keys/values [1, H, L, D] (L = its length; quantized: parts)."""
+        n = tree_flatten(keys)[0][1].shape[2]
         if self.keys is None:
             self.lens = []
         self._reserve(max([n, *self.lens]), keys, values)
-        cap = self.keys.shape[2]
-        row_k = mx.concatenate([keys, mx.zeros((1, keys.shape[1], cap - n, keys.shape[3]), keys.dtype)], axis=2)
-        row_v = mx.concatenate([values, mx.zeros((1, values.shape[1], cap - n, values.shape[3]), values.dtype)], axis=2)
-        self.keys = mx.concatenate([self.keys, row_k.astype(self.keys.dtype)])
-        self.values = mx.concatenate([self.values, row_v.astype(self.values.dtype)])
+        cap = tree_flatten(self.keys)[0][1].shape[2]
+
+        def append(stored, row):
+            return mx.concatenate([stored, _pad(row, cap - n).astype(stored.dtype)])
+
+        self.keys = tree_map(append, self.keys, keys)
+        self.values = tree_map(append, self.values, values)
         self.lens.append(n)
 
     def keep_rows(self, rows: list[int]) -> None:
@@ -103,33 +129,45 @@ class BatchKVCache:
             self.lens = []
             return
         idx = mx.array(rows, dtype=mx.int32)
-        self.keys, self.values = self.keys[idx], self.values[idx]
+        self.keys, self.values = tree_map(lambda x: x[idx], (self.keys, self.values))
         self.lens = [self.lens[i] for i in rows]
         end = max(self.lens)
         cap = ((end + STEP - 1) // STEP) * STEP  # give back capacity the remaining rows do not use
-        if cap < self.keys.shape[2]:
-            self.keys, self.values = self.keys[:, :, :cap], self.values[:, :, :cap]
+        if cap < tree_flatten(self.keys)[0][1].shape[2]:
+            self.keys, self.values = tree_map(lambda x: x[:, :, :cap], (self.keys, self.values))
 
-    def row(self, i: int) -> tuple[mx.array, mx.array]:
-        """Row i's valid entries, [1, H, lens[i], D] each."""
-        return self.keys[i : i + 1, :, : self.lens[i]], self.values[i : i + 1, :, : self.lens[i]]
+    def row(self, i: int):
+        """Row i's valid entries, [1, H, lens[i], D] each (quantized: parts)."""
+        return tree_map(lambda x: x[i : i + 1, :, : self.lens[i]], (self.keys, self.values))
+
+
+class QuantizedBatchKVCache(BatchKVCache):
+    """BatchKVCache whose entries are quantized per token (mlx-lm's QuantizedKVCache layout)."""
+
+    def __init__(self, group_size: int = 64, bits: int = 8):
+        super().__init__()
+        self.group_size, self.bits = group_size, bits
+
+    def _encode(self, x: mx.array):
+        return tuple(mx.quantize(x, group_size=self.group_size, bits=self.bits))
 
 
 def append_sequence(batch: list[BatchKVCache], cache: list) -> list[BatchKVCache]:
     """`cache` (a single sequence's per-layer KV caches) appended as a new row of `batch` (one BatchKVCache
     per layer, made when `batch` is empty); returns the batch."""
-    batch = batch or [BatchKVCache() for _ in cache]
+    batch = batch or [QuantizedBatchKVCache(c.group_size, c.bits) if hasattr(c, "bits") else BatchKVCache()
+                      for c in cache]
     for bc, c in zip(batch, cache):
-        bc.add_row(c.keys[:, :, : c.offset], c.values[:, :, : c.offset])
+        bc.add_row(*tree_map(lambda x: x[:, :, : c.offset], (c.keys, c.values)))
     return batch
 
 
 def batchable(cache: list) -> str | None:
-    """None when every layer of this single-sequence mlx-lm cache is a plain KVCache (what BatchKVCache
-    replaces), else why not."""
-    from mlx_lm.models.cache import KVCache
+    """None when every layer of this single-sequence mlx-lm cache is a plain or quantized KVCache (what
+    BatchKVCache / QuantizedBatchKVCache replace), else why not."""
+    from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
     for c in cache:
-        if type(c) is not KVCache:
+        if type(c) not in (KVCache, QuantizedKVCache):
             return f"its cache has {type(c).__name__} layers (only plain KV caches are batched yet)"
     return None

@@ -17,11 +17,35 @@ Any other non-trimmable layer (a wrapped rotating window) keeps the snapshot + r
 from dataclasses import dataclass
 
 import mlx.core as mx
-from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
+from mlx.utils import tree_flatten
+from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache, make_prompt_cache
+
+KV_BITS = (2, 3, 4, 5, 6, 8)
+KV_GROUP_SIZES = (32, 64, 128)
 
 
-def make_cache(model) -> list:
-    return make_prompt_cache(model)
+def make_cache(model, kv_bits: int | None = None, kv_group_size: int = 64) -> list:
+    """The model's per-layer cache; with kv_bits every plain KVCache layer is mlx-lm's QuantizedKVCache
+    (keys and values quantized per token in groups of kv_group_size along the head dimension: a token's
+    entries do not depend on the others, so trimming and rewriting stay exact). Recurrent and rotating
+    layers stay as they are (mlx-lm cannot quantize those)."""
+    return quantized(make_prompt_cache(model), kv_bits, kv_group_size)
+
+
+def quantized(caches: list, kv_bits: int | None, kv_group_size: int = 64) -> list:
+    """Fresh caches with every plain KVCache layer replaced by a QuantizedKVCache (kv_bits None: as they are)."""
+    if kv_bits is None:
+        return caches
+    return [QuantizedKVCache(group_size=kv_group_size, bits=kv_bits) if type(c) is KVCache else c for c in caches]
+
+
+def check_kv_quantization(kv_bits: int | None, kv_group_size: int) -> None:
+    if kv_bits is None:
+        return
+    if kv_bits not in KV_BITS:
+        raise ValueError(f"KV cache bits must be one of {', '.join(map(str, KV_BITS))}, got {kv_bits}")
+    if kv_group_size not in KV_GROUP_SIZES:
+        raise ValueError(f"KV cache group size must be one of {', '.join(map(str, KV_GROUP_SIZES))}, got {kv_group_size}")
 
 
 def _trimmable(c, n_new: int) -> bool:
@@ -142,3 +166,9 @@ def cache_length(caches: list) -> int:
         if isinstance(c, (KVCache, RotatingKVCache)) or hasattr(c, "offset"):
             return c.offset
     return 0
+
+
+def kv_bytes(caches: list) -> int:
+    """Bytes of what the caches hold (each layer's `state`: keys and values up to its offset, quantized
+    parts, recurrent states)."""
+    return sum(a.nbytes for c in caches for _, a in tree_flatten(c.state) if isinstance(a, mx.array))

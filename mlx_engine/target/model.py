@@ -10,6 +10,7 @@ outputs of chosen decoder layers (EAGLE-3, DFlash) and/or the final-normed state
 import mlx.core as mx
 import mlx.nn as nn
 
+from .. import host
 from .cache import make_cache
 from .hidden import FINAL_HIDDEN, HiddenRequest
 from .hybrid import enable_per_token_states
@@ -43,8 +44,10 @@ def _install_capture(module: nn.Module) -> None:
 class Target:
     """Wraps an mlx-lm model. `forward(tokens, cache, request)` -> (logits [n, V], hidden [n, H'] | None)."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, kv_bits: int | None = None, kv_group_size: int = 64):
+        """kv_bits: the caches it makes quantize keys and values to that many bits (target/cache.py)."""
         self.model = model
+        self.kv_bits, self.kv_group_size = kv_bits, kv_group_size
         self.text = _text_model(model)
         self.inner = self.text.model
         _install_capture(self.inner)
@@ -63,7 +66,19 @@ class Target:
         return self.inner.embed_tokens
 
     def make_cache(self) -> list:
-        return make_cache(self.model)
+        return make_cache(self.model, self.kv_bits, self.kv_group_size)
+
+    def check_cache(self) -> None:
+        """One token through a fresh cache: a quantization the model's heads do not allow fails here, at load,
+        with the reason (e.g. a head dimension that is no multiple of the group size)."""
+        if self.kv_bits is None:
+            return
+        try:
+            logits, _ = self.forward(mx.array([0]), self.make_cache())
+            host.wait(logits)
+        except (ValueError, RuntimeError) as e:
+            raise ValueError(f"this model's KV cache cannot be quantized to {self.kv_bits} bits in groups of "
+                             f"{self.kv_group_size}: {e}") from None
 
     @property
     def layers(self) -> list:

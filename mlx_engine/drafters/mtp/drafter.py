@@ -88,6 +88,8 @@ class MTPHead(nn.Module):
 class MTPDrafter:
     name = "mtp"
     needs_hidden = True
+    kv_quantizable = True
+    kv_quant: tuple[int, int] | None = None  # (bits, group size) of the head's own KV cache (drafters.base.quantize_kv)
 
     def __init__(self, head: MTPHead, target, prefill_step: int = 2048):
         from ...target.model import Target
@@ -178,7 +180,7 @@ class MTPDrafter:
         n = len(tokens) - 1  # fed prompt tokens
         if hidden.shape[0] != n:
             raise ValueError(f"expected hidden states for {n} prompt tokens, got {hidden.shape[0]}")
-        self.cache = self.head.make_cache()
+        self.cache = cache_ops.quantized(self.head.make_cache(), *(self.kv_quant or (None,)))
         self.history = list(tokens)
         self._pend_h = [hidden]
         self._pend_tok = list(tokens[1:])  # slot p takes t_{p+1}, p = 0..n-1 (slot n-1: the first token)
