@@ -29,7 +29,7 @@ from mlx.utils import tree_flatten
 from .drafters.mtp import HEAD_FILE, HEAD_FORMAT, HEAD_JSON, MissingHeadError, UnsupportedFamilyError, load_head
 from .drafters.vocab_subset import SUBSET_KEY
 from .models.hf import check_complete, weight_files
-from .models.mtp_tensors import FAMILIES, MTPWeightsError
+from .models.mtp_tensors import FAMILIES
 
 BITS = (2, 3, 4, 5, 6, 8)
 GROUP_SIZES = (32, 64, 128)
@@ -235,4 +235,4 @@ def add_head(mlx_path, mtp_from, mtp_bits: int | None = None, q_group_size: int 
         raise
 
 
-__all__ = ["convert", "add_head", "check_source", "check_options", "write_head", "ConvertError", "MTPWeightsError"]
+__all__ = ["convert", "add_head", "check_source", "check_options", "write_head", "ConvertError"]

@@ -20,7 +20,6 @@ import pytest
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import KVCache
 
-import real_fixtures
 from hf_writer import E4M3, ZERO_CENTRED, config, text_cfg
 from mlx_engine import load
 from mlx_engine.drafters.mtp import MTPWeightsError
