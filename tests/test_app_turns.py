@@ -181,17 +181,19 @@ async def test_a_long_prefill_shows_progress_and_esc_stops_it_within_one_chunk(t
         await loaded(pilot, app)
         worker = app.worker_thread
         worker.prefill_step, worker.prefill_bar_min = 16, 32
-        events, real_post, real_stop = [], worker.post, worker.stop
+        events, real_post, real_stop, pressed = [], worker.post, worker.stop, threading.Event()
 
         def post(msg):  # on the worker thread, between two prefill chunks
+            real_post(msg)
             if isinstance(msg, PrefillProgress):
                 events.append(("chunk", time.monotonic(), msg.done, msg.total))
-                time.sleep(0.03)  # a slow chunk, so Esc lands while the prompt is read
-            real_post(msg)
+                if msg.done >= 64:
+                    pressed.wait(10)  # the prompt is being read when Esc lands (no race with a fast prefill)
 
         def stop():
             events.append(("stop", time.monotonic()))
             real_stop()
+            pressed.set()
 
         worker.post, worker.stop = post, stop
         await send(pilot, "the quick brown fox jumps over the lazy dog " * 40)
