@@ -4,13 +4,17 @@ import argparse
 import json
 import sys
 
+import mlx.core as mx
+
 from . import text
-from .args import finite
+from .args import add_memory_args, count, finite
 from .drafters import registry
 from .drafters.registry import DrafterError, DrafterOptions
 from .core.context import ContextLengthError, check_context
 from .core.engine import Engine, GenerationConfig
-from .models import LoadedModel, ModelLoadError, load
+from .core.memory import MemoryBudget, MemoryBudgetError, device_memory, plan
+from .drafters.base import quantize_kv
+from .models import LoadedModel, ModelLoadError, load, parameter_bytes
 from .sampling import SamplingConfig
 
 DRAFTERS = registry.KINDS
@@ -62,6 +66,9 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence tokens")
     p.add_argument("--json", action="store_true", help="print one JSON object: tokens, text, stats")
     p.add_argument("--trace", action="store_true", help="with --json: add one entry per verify cycle")
+    p.add_argument("--prefill-step", type=count(1), default=512,
+                   help="prompt tokens per prefill pass (default 512): progress and Ctrl-C are seen between passes")
+    add_memory_args(p)
 
 
 def parse_num_draft(text) -> int | str:
@@ -120,8 +127,10 @@ def build(args):
         )
     except ValueError as e:
         raise UsageError(str(e)) from None
+    if args.trace and not args.json:
+        raise UsageError("--trace adds the cycles to the --json output: give --json too")
     prompt = parse_prompt_tokens(args.prompt_tokens) if args.prompt_tokens is not None else None
-    loaded = load(args.model)  # None: the embedded default model
+    loaded = load_within_budget(args.model, args.max_memory)  # None: the embedded default model
     if prompt is None:
         prompt = encode_prompt(loaded.tokenizer, args.prompt, not args.no_chat_template)
     try:  # before the drafter loads and anything is prefilled
@@ -129,13 +138,36 @@ def build(args):
     except ContextLengthError as e:
         raise UsageError(f"{e} (--max-tokens {args.max_tokens})") from None
     drafter = make_drafter(args, loaded)
+    why_not = quantize_kv(drafter, args.draft_kv_bits, args.kv_group_size)
+    if why_not and args.draft_kv_bits is not None:
+        raise UsageError(f"--draft-kv-bits: {why_not}")
     stop = frozenset() if args.ignore_eos else frozenset(getattr(loaded.tokenizer, "eos_token_ids", None) or ())
     config = GenerationConfig(
         max_tokens=args.max_tokens, num_draft=args.num_draft, sampling=sampling, seed=args.seed,
-        stop_tokens=stop, profile_every=8 if args.json else 0, on_prefill=PrefillBar(),
+        stop_tokens=stop, profile_every=8 if args.json else 0, on_prefill=PrefillBar(), prefill_step=args.prefill_step,
     )
-    engine = Engine(loaded.model, drafter, batch_invariant=args.batch_invariant, context_length=loaded.context_length)
+    try:
+        engine = Engine(loaded.model, drafter, batch_invariant=args.batch_invariant, context_length=loaded.context_length,
+                        kv_bits=args.kv_bits, kv_group_size=args.kv_group_size)
+        engine.memory = plan(loaded.model, drafter, engine.target, args.max_memory, what=loaded.path.name)
+        engine.memory.check_load()
+        engine.memory.check_sequence(len(prompt) + args.max_tokens)
+    except ValueError as e:  # a KV quantization the model cannot take, a budget it does not fit
+        raise UsageError(str(e)) from None
     return loaded, engine, prompt, config
+
+
+def load_within_budget(model: str | None, max_memory: int | None) -> LoadedModel:
+    """Load a model, its weights counted against the memory budget before they are read (lazily loaded
+    folders; a GGUF is decoded whole first)."""
+    loaded = load(model, lazy=True)
+    budget = MemoryBudget(max_memory or device_memory(), parameter_bytes(loaded.model), 0, what=loaded.path.name)
+    try:
+        budget.check_load()
+    except MemoryBudgetError as e:
+        raise UsageError(str(e)) from None
+    mx.eval(loaded.model.parameters())
+    return loaded
 
 
 class PrefillBar:

@@ -152,3 +152,31 @@ def test_prefix_tree_serves_a_conversation_after_another_and_stays_exact(drafter
 def test_prefix_tree_is_refused_by_name_for_a_recurrent_cache():
     engine = Engine(target("qwen3_next"), prefix_cache_bytes=1 << 30)
     assert engine.held.prefix_cache is None and "ArraysCache" in engine.held.prefix_cache_off
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--max-memory", "100MB"], "needs 0.50 GiB of weights, more than the memory budget of 0.09 GiB (--max-memory)"),
+    (["--max-memory", "560MB", "--max-tokens", "8000"], "this request needs 0.34 GiB of KV cache for 8003 tokens"),
+    (["--drafter", "ngram", "--draft-kv-bits", "4"], "--draft-kv-bits: the ngram drafter keeps no quantizable KV cache"),
+    (["--trace"], "--trace adds the cycles to the --json output: give --json too"),
+])
+def test_cli_refuses_what_does_not_fit_or_does_nothing(capsys, flags, message):
+    from mlx_engine.__main__ import main
+
+    assert main(["generate", "--prompt-tokens", "1,2,3"] + flags) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and message in err[0]
+
+
+def test_cli_kv_bits_decodes():
+    import contextlib
+    import io
+    import json
+
+    from mlx_engine.__main__ import main
+
+    with contextlib.redirect_stdout(io.StringIO()) as buf:
+        assert main(["generate", "--prompt-tokens", "1,2,3", "--max-tokens", "6", "--ignore-eos", "--kv-bits", "4",
+                     "--json"]) == 0
+    out = json.loads(buf.getvalue())
+    assert len(out["tokens"]) == 6
