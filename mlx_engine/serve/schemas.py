@@ -1,20 +1,39 @@
 """The request bodies of /v1/chat/completions and /v1/completions (pydantic), and what they ask of the
-engine. Unknown fields are ignored, as OpenAI's clients send some we do not use; out-of-range values are
-refused (400). Sampling extras beyond OpenAI's API: `top_k`, `min_p`, `repetition_penalty`, `num_draft`.
-The default temperature is 0 (greedy), as in mlx-lm's server: a local server's default should be the
-reproducible answer."""
+engine. Every field is checked here, before anything is queued: JSON types as OpenAI documents them
+(strict: `true` is not a number, `2.0` is not an integer), ranges, and `null` wherever OpenAI allows it
+(null = the field's default). Fields this server cannot honour (`tools`, `response_format` other than
+text, `n > 1`, `logprobs`, penalties other than `repetition_penalty`, ...) are refused with a 400 naming
+them instead of being ignored; fields with no effect on the output (`user`, `metadata`, ...) are ignored.
+Sampling extras beyond OpenAI's API: `top_k`, `min_p`, `repetition_penalty`, `num_draft`. The default
+temperature is 0 (greedy), as in mlx-lm's server: a local server's default should be the reproducible answer."""
 
 from __future__ import annotations
 
 from typing import Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ..sampling import SamplingConfig
 
+SEED_LIMIT = 2**63  # seeds are in [0, 2**63): MLX's key takes an unsigned 64-bit seed; OpenAI's is a signed int64
+
+
+def check_text(value: str, what: str) -> str:
+    """Text must encode as UTF-8: JSON's \\ud800 escapes make lone surrogates no tokenizer can take."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{what} holds a lone surrogate ({value[e.start]!r} at character {e.start}), "
+                         f"which is not valid Unicode text") from None
+    return value
+
+
+class Unsupported(ValueError):
+    pass
+
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
@@ -24,21 +43,40 @@ class _Body(BaseModel):
     top_k: int = Field(default=0, ge=0)
     min_p: float = Field(default=0.0, ge=0.0, lt=1.0)
     repetition_penalty: float = Field(default=1.0, gt=0.0, le=10.0)
-    stop: Union[str, list[str], None] = None
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] = Field(default_factory=dict)
+    stop: Union[str, list[str]] = Field(default_factory=list)
     seed: int | None = None
-    n: int = Field(default=1, ge=1, le=1)
+    n: int = Field(default=1, ge=1)
     stream: bool = False
-    stream_options: dict | None = None
+    stream_options: dict = Field(default_factory=dict)
     # per request: k >= 0 or auto (default: the server's); in continuous batching, a ceiling on the row's own k
     num_draft: Union[int, Literal["auto"], None] = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_the_default(cls, data):
+        """OpenAI's optional fields take null for 'not given': drop them so their defaults apply."""
+        if isinstance(data, dict):
+            required = {name for name, f in cls.model_fields.items() if f.is_required()}
+            return {k: v for k, v in data.items() if v is not None or k in required}
+        return data
 
     @field_validator("stop")
     @classmethod
     def _stops(cls, v):
-        stops = [v] if isinstance(v, str) else list(v or [])
+        stops = [v] if isinstance(v, str) else list(v)
         if len(stops) > 4:
             raise ValueError("at most 4 stop sequences")
-        return stops
+        return [check_text(s, "a stop sequence") for s in stops]
+
+    @field_validator("seed")
+    @classmethod
+    def _seed(cls, v):
+        if not 0 <= v < SEED_LIMIT:
+            raise ValueError(f"seed must be an integer in [0, 2**63), got {v}")
+        return v
 
     @field_validator("num_draft")
     @classmethod
@@ -46,6 +84,39 @@ class _Body(BaseModel):
         if isinstance(v, int) and v < 0:
             raise ValueError("num_draft must be >= 0 or 'auto'")
         return v
+
+    @field_validator("n")
+    @classmethod
+    def _one_choice(cls, v):
+        if v != 1:
+            raise Unsupported(f"n = {v} is not supported: one choice per request (send {v} requests)")
+        return v
+
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _no_openai_penalty(cls, v, info):
+        if v != 0:
+            raise Unsupported(f"{info.field_name} is not supported; use repetition_penalty (> 1 discourages "
+                              "repeats)")
+        return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_logit_bias(cls, v):
+        if v:
+            raise Unsupported("logit_bias is not supported")
+        return v
+
+    @field_validator("stream_options")
+    @classmethod
+    def _stream_options(cls, v):
+        if not isinstance(v.get("include_usage", False), (bool, type(None))):
+            raise ValueError("stream_options.include_usage must be true or false")
+        return v
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options.get("include_usage"))
 
     def sampling(self) -> SamplingConfig:
         return SamplingConfig(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p,
@@ -56,23 +127,77 @@ class _Body(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: Union[str, list[dict], None] = None
 
+    @field_validator("content")
+    @classmethod
+    def _text_only(cls, v):
+        if isinstance(v, list):
+            for i, part in enumerate(v):
+                kind = part.get("type")
+                if kind != "text":
+                    raise Unsupported(f"content part {i} is of type {kind!r}: only text parts are supported")
+                if not isinstance(part.get("text"), str):
+                    raise ValueError(f"content part {i} has no 'text' string")
+                check_text(part["text"], f"content part {i}")
+        elif isinstance(v, str):
+            check_text(v, "the content")
+        return v
+
     def text(self) -> str:
-        if isinstance(self.content, list):  # content parts: keep the text ones
-            return "".join(p.get("text", "") for p in self.content if p.get("type") == "text")
+        if isinstance(self.content, list):  # content parts (all text: checked above)
+            return "".join(p["text"] for p in self.content)
         return self.content or ""
 
 
 class ChatRequest(_Body):
     messages: list[ChatMessage] = Field(min_length=1)
+    tools: list = Field(default_factory=list)
+    functions: list = Field(default_factory=list)
+    tool_choice: Union[str, dict] = "none"
+    function_call: Union[str, dict] = "none"
+    response_format: dict = Field(default_factory=lambda: {"type": "text"})
+    logprobs: bool = False
+    top_logprobs: int = Field(default=0, ge=0, le=20)
+
+    @field_validator("tools", "functions")
+    @classmethod
+    def _no_tools(cls, v, info):
+        if v:
+            raise Unsupported(f"{info.field_name} (function calling) is not supported by this server")
+        return v
+
+    @field_validator("tool_choice", "function_call")
+    @classmethod
+    def _no_tool_choice(cls, v, info):
+        if v not in ("none", "auto"):  # "auto" with no tools means none
+            raise Unsupported(f"{info.field_name} is not supported by this server (no function calling)")
+        return v
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_format(cls, v):
+        if v.get("type") != "text":
+            raise Unsupported(f"response_format {v.get('type')!r} is not supported: only {{'type': 'text'}}")
+        return v
+
+    @field_validator("logprobs", "top_logprobs")
+    @classmethod
+    def _no_logprobs(cls, v, info):
+        if v:
+            raise Unsupported(f"{info.field_name} is not supported by this server")
+        return v
 
 
 class CompletionRequest(_Body):
     prompt: Union[str, list[str], list[int]]
+    logprobs: int | None = None
+    echo: bool = False
+    best_of: int = Field(default=1, ge=1)
+    suffix: str = ""
 
     @field_validator("prompt")
     @classmethod
@@ -82,8 +207,31 @@ class CompletionRequest(_Body):
                 raise ValueError("the prompt is empty")
             if isinstance(v[0], str):
                 if len(v) != 1:
-                    raise ValueError("one prompt per request (a list of several prompts is not supported)")
+                    raise Unsupported("one prompt per request (a list of several prompts is not supported)")
                 v = v[0]
-        if isinstance(v, str) and not v:
-            raise ValueError("the prompt is empty")
+        if isinstance(v, str):
+            if not v:
+                raise ValueError("the prompt is empty")
+            check_text(v, "the prompt")
+        return v
+
+    @field_validator("logprobs")
+    @classmethod
+    def _no_logprobs(cls, v):
+        if v is not None:
+            raise Unsupported("logprobs is not supported by this server")
+        return v
+
+    @field_validator("echo", "suffix")
+    @classmethod
+    def _no_echo_or_suffix(cls, v, info):
+        if v:
+            raise Unsupported(f"{info.field_name} is not supported by this server")
+        return v
+
+    @field_validator("best_of")
+    @classmethod
+    def _one_candidate(cls, v):
+        if v != 1:
+            raise Unsupported(f"best_of = {v} is not supported: one candidate per request")
         return v
