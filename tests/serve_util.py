@@ -5,10 +5,7 @@ import socket
 import threading
 import time
 
-import uvicorn
-
-from mlx_engine.serve.app import create_app
-from mlx_engine.serve.main import add_serve_args, build_service
+from mlx_engine.serve.main import add_serve_args, build_service, make_server
 
 
 def free_port() -> int:
@@ -24,8 +21,7 @@ class RunningServer:
         self.args = p.parse_args(["--port", str(free_port()), *flags])
         self.service, self.drafter = build_service(self.args)
         self.service.worker.start()
-        config = uvicorn.Config(create_app(self.service), host="127.0.0.1", port=self.args.port, log_level="warning")
-        self.server = uvicorn.Server(config)
+        self.server = make_server(self.service, self.args, self.args.port)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
         deadline = time.time() + 30
@@ -39,9 +35,10 @@ class RunningServer:
     def client(self, **kw):
         import openai
 
-        return openai.OpenAI(base_url=self.base + "/v1", api_key="none", max_retries=0, timeout=120, **kw)
+        kw.setdefault("api_key", self.args.api_key or "none")
+        return openai.OpenAI(base_url=self.base + "/v1", max_retries=0, timeout=120, **kw)
 
     def close(self) -> None:
         self.server.should_exit = True
-        self.thread.join(timeout=10)
+        self.thread.join(timeout=10 + self.args.shutdown_timeout)
         self.service.worker.stop()

@@ -1,6 +1,8 @@
 """The HTTP side: FastAPI routes in OpenAI's shapes, server-sent events ending in `data: [DONE]`, errors
-as {"error": {"message", "type", "param", "code"}} with the right status. No MLX here: requests are
-tokenized, queued to the engine thread (worker.py), and its events turned into responses."""
+as {"error": {"message", "type", "param", "code"}} with the right status (errors.py). No MLX here:
+requests pass intake.py (key, size, schema, tokens), are queued to the engine thread (worker.py), and
+its events are turned into responses. A client that leaves is noticed at once, streamed or not (its
+ASGI `receive()` says `http.disconnect`), and its job is cancelled."""
 
 from __future__ import annotations
 
@@ -11,11 +13,16 @@ import uuid
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Request as HTTPRequest
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from .jobs import Delta, Done, Failed, Job, Request
-from .schemas import ChatRequest, CompletionRequest
+from .errors import APIError, error_body, error_response, install_error_handlers
+from .intake import DEFAULT_MAX_BODY_BYTES, RequireAPIKey, encode_chat, take_request  # noqa: F401 (encode_chat)
+from .jobs import GONE, Delta, Done, Failed, Job, Request
+from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+
+RETRY_AFTER_SECONDS = 1  # a 503's Retry-After: a place frees as soon as one request ends
+SHUTTING_DOWN = APIError(503, "the server is shutting down: this request was cancelled (--shutdown-timeout "
+                              "passed)", type_="server_error", code="shutting_down")
 
 
 @dataclass
@@ -26,45 +33,23 @@ class Service:
     vocab_size: int
     worker: object  # WorkerBase
     default_max_tokens: int = 512
-
-
-class APIError(Exception):
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param=None, code=None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
-
-
-def error_body(message: str, type_: str, param=None, code=None) -> dict:
-    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
-
-
-def encode_chat(tokenizer, messages) -> list[int]:
-    """The conversation through the model's chat template (role: content lines when it has none)."""
-    msgs = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in messages]
-    if getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
-        return list(ids["input_ids"] if isinstance(ids, dict) else ids)
-    text = "".join(f"{m['role']}: {m['content']}\n" for m in msgs) + "assistant: "
-    return list(tokenizer.encode(text))
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    api_key: str | None = None
 
 
 def create_app(service: Service) -> FastAPI:
-    app = FastAPI(title="mlx-engine", docs_url=None, redoc_url=None)
-
-    @app.exception_handler(APIError)
-    async def _api_error(_, e: APIError):
-        return JSONResponse(error_body(e.message, e.type, e.param, e.code), status_code=e.status)
-
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(_, e: RequestValidationError):
-        first = e.errors()[0] if e.errors() else {}
-        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
-        msg = f"{'.'.join(loc) + ': ' if loc else ''}{first.get('msg', 'invalid request')}"
-        return JSONResponse(error_body(msg, "invalid_request_error", loc[0] if loc else None), status_code=400)
+    app = FastAPI(title="mlx-engine", docs_url=None, redoc_url=None, openapi_url=None)
+    install_error_handlers(app)
+    if service.api_key:
+        app.add_middleware(RequireAPIKey, key=service.api_key)
 
     @app.get("/health")
     async def health():
         return {"status": "ok", "model": service.model_id, **service.worker.status()}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(service.worker.metrics.exposition(), media_type=METRICS_CONTENT_TYPE)
 
     @app.get("/v1/models")
     async def models():
@@ -72,31 +57,22 @@ def create_app(service: Service) -> FastAPI:
                                             "owned_by": "mlx-engine"}]}
 
     @app.post("/v1/chat/completions")
-    async def chat(body: ChatRequest, http: HTTPRequest):
-        check_model(body.model)
-        prompt = encode_chat(service.tokenizer, body.messages)
-        return await respond(body, prompt, http, chat=True)
+    async def chat(http: HTTPRequest):
+        return await respond(http, chat=True)
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, http: HTTPRequest):
-        check_model(body.model)
-        if isinstance(body.prompt, str):
-            prompt = list(service.tokenizer.encode(body.prompt))
-        else:
-            prompt = list(body.prompt)
-            if min(prompt) < 0 or max(prompt) >= service.vocab_size:
-                raise APIError(400, f"prompt token ids must be in [0, {service.vocab_size})", param="prompt")
-        return await respond(body, prompt, http, chat=False)
+    async def completions(http: HTTPRequest):
+        return await respond(http, chat=False)
 
-    def check_model(name: str) -> None:
-        if name != service.model_id:
-            raise APIError(404, f"the model '{name}' does not exist; this server serves '{service.model_id}'",
+    async def respond(http: HTTPRequest, chat: bool):
+        arrived = time.perf_counter()
+        body, prompt = await take_request(http, chat, service.tokenizer, service.vocab_size, service.max_body_bytes)
+        if body.model != service.model_id:
+            raise APIError(404, f"the model '{body.model}' does not exist; this server serves '{service.model_id}'",
                            param="model", code="model_not_found")
-
-    async def respond(body, prompt: list[int], http: HTTPRequest, chat: bool):
-        if not prompt:
-            raise APIError(400, "the prompt is empty", param="messages" if chat else "prompt")
         where = "messages" if chat else "prompt"
+        if not prompt:
+            raise APIError(400, "the prompt is empty", param=where)
         if len(prompt) >= service.context_length:
             raise APIError(400, f"this model's maximum context length is {service.context_length} tokens; the "
                                 f"prompt has {len(prompt)}", param=where, code="context_length_exceeded")
@@ -105,54 +81,44 @@ def create_app(service: Service) -> FastAPI:
             raise APIError(400, f"this model's maximum context length is {service.context_length} tokens; the prompt "
                                 f"has {len(prompt)} and max_tokens asks for {max_tokens} more",
                            param="max_tokens", code="context_length_exceeded")
-        if service.worker.saturated():
-            raise APIError(503, "the server is at capacity; retry later", type_="server_error", code="overloaded")
         try:
             sampling = body.sampling()
         except ValueError as e:
             raise APIError(400, str(e)) from None
         seed = body.seed if body.seed is not None else int.from_bytes(uuid.uuid4().bytes[:4], "little")
-        job = Job(Request(prompt, max_tokens, sampling, seed, body.stop, body.num_draft))
-        service.worker.submit(job)
-        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        job = Job(Request(prompt, max_tokens, sampling, seed, body.stop, body.num_draft), arrived=arrived)
+        job.name = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        if not service.worker.try_submit(job):
+            raise APIError(503, f"the server is at capacity ({service.worker.max_queue} requests in); retry later",
+                           type_="server_error", code="overloaded", headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
+        envelope = {"id": job.name, "created": int(time.time()), "model": service.model_id}  # one `created` per request
         if body.stream:
-            return StreamingResponse(stream(job, rid, chat, body), media_type="text/event-stream",
+            return StreamingResponse(stream(job, envelope, chat, body.include_usage, http),
+                                     media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        return await complete(job, rid, chat, http)
+        return await complete(job, envelope, chat, http)
 
-    def envelope(rid: str, chat: bool, stream: bool) -> dict:
-        obj = ("chat.completion.chunk" if stream else "chat.completion") if chat else "text_completion"
-        return {"id": rid, "object": obj, "created": int(time.time()), "model": service.model_id}
-
-    def usage(done: Done) -> dict:
-        return {"prompt_tokens": done.prompt_tokens, "completion_tokens": done.completion_tokens,
-                "total_tokens": done.prompt_tokens + done.completion_tokens}
-
-    def finish_reason(done: Done) -> str:
-        return "stop" if done.finish_reason == "stop" else "length"
-
-    async def complete(job: Job, rid: str, chat: bool, http: HTTPRequest):
+    async def complete(job: Job, envelope: dict, chat: bool, http: HTTPRequest):
         parts = []
+        watcher = asyncio.create_task(watch_disconnect(http, job))
         try:
             while True:
-                try:
-                    event = await asyncio.wait_for(job.events.get(), timeout=0.5)
-                except asyncio.TimeoutError:
-                    if await http.is_disconnected():  # the client left: stop its generation
-                        job.cancel()
-                        return JSONResponse(error_body("client disconnected", "cancelled"), status_code=499)
-                    continue
+                event = await job.events.get()
+                if event is GONE:  # nobody reads this answer; its job is cancelled
+                    return JSONResponse(error_body("client disconnected", "cancelled"), status_code=499)
                 if isinstance(event, Delta):
                     parts.append(event.text)
                 elif isinstance(event, Failed):
                     raise APIError(500, event.message, type_="server_error")
                 elif isinstance(event, Done):
                     break
-        except asyncio.CancelledError:
+        except asyncio.CancelledError:  # the server is shutting down past --shutdown-timeout: say so
             job.cancel()
-            raise
+            return error_response(SHUTTING_DOWN)
+        finally:
+            watcher.cancel()
         text = "".join(parts)
-        out = envelope(rid, chat, False)
+        out = {**envelope, "object": "chat.completion" if chat else "text_completion"}
         if chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
                       "finish_reason": finish_reason(event)}
@@ -161,12 +127,14 @@ def create_app(service: Service) -> FastAPI:
         out.update(choices=[choice], usage=usage(event), speculation=event.speculation)
         return out
 
-    async def stream(job: Job, rid: str, chat: bool, body):
-        def sse(obj) -> str:
-            return f"data: {json.dumps(obj)}\n\n"
+    async def stream(job: Job, envelope: dict, chat: bool, include_usage: bool, http: HTTPRequest):
+        obj = "chat.completion.chunk" if chat else "text_completion"
+
+        def sse(out) -> str:
+            return f"data: {json.dumps(out)}\n\n"
 
         def chunk(text: str | None, reason: str | None, first: bool = False) -> dict:
-            out = envelope(rid, chat, True)
+            out = {**envelope, "object": obj}
             if chat:
                 delta = {"role": "assistant", "content": text or ""} if first else ({"content": text} if text else {})
                 out["choices"] = [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}]
@@ -174,12 +142,14 @@ def create_app(service: Service) -> FastAPI:
                 out["choices"] = [{"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}]
             return out
 
-        include_usage = bool((body.stream_options or {}).get("include_usage"))
+        watcher = asyncio.create_task(watch_disconnect(http, job))
         try:
             if chat:
                 yield sse(chunk("", None, first=True))
             while True:
                 event = await job.events.get()
+                if event is GONE:
+                    return
                 if isinstance(event, Delta):
                     yield sse(chunk(event.text, None))
                 elif isinstance(event, Failed):
@@ -191,12 +161,35 @@ def create_app(service: Service) -> FastAPI:
                     last["speculation"] = event.speculation
                     yield sse(last)
                     if include_usage:  # OpenAI's own form as well: one more chunk with no choices
-                        extra = envelope(rid, chat, True)
-                        extra.update(choices=[], usage=usage(event), speculation=event.speculation)
-                        yield sse(extra)
+                        yield sse({**envelope, "object": obj, "choices": [], "usage": usage(event),
+                                   "speculation": event.speculation})
                     break
             yield "data: [DONE]\n\n"
+        except asyncio.CancelledError:  # shutting down past --shutdown-timeout (or the client left): say so
+            job.cancel()
+            yield sse(error_body(SHUTTING_DOWN.message, SHUTTING_DOWN.type, code=SHUTTING_DOWN.code))
         finally:  # the client went away (the generator is closed) or the stream ended: stop the job
+            watcher.cancel()
             job.cancel()
 
     return app
+
+
+async def watch_disconnect(http: HTTPRequest, job: Job) -> None:
+    """Wait on the request's ASGI receive(): its body is read, so the next message is `http.disconnect`,
+    sent the moment the client closes its connection. Then cancel the job and wake whoever waits on it."""
+    while True:
+        message = await http.receive()
+        if message["type"] == "http.disconnect":
+            job.cancel()
+            job.events.put_nowait(GONE)
+            return
+
+
+def usage(done: Done) -> dict:
+    return {"prompt_tokens": done.prompt_tokens, "completion_tokens": done.completion_tokens,
+            "total_tokens": done.prompt_tokens + done.completion_tokens}
+
+
+def finish_reason(done: Done) -> str:
+    return "stop" if done.finish_reason == "stop" else "length"

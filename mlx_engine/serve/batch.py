@@ -36,8 +36,22 @@ class BatchWorker(WorkerBase):
                 self.closing[sid] = "cancelled"
         self.largest_batch = max(self.largest_batch, self.engine.running())
         for result in self.engine.step():
-            self._deliver(result)
+            try:
+                self._deliver(result)
+            except Exception as e:  # e.g. its text: this sequence fails, the batch goes on
+                out = self.active.pop(result.seq_id, None)
+                self.closing.pop(result.seq_id, None)
+                if out is not None:
+                    self.engine.cancel(result.seq_id)
+                    self.fail(out.job, e)
         self.running = len(self.active)
+        self.kv_bytes = self.engine.kv_bytes()
+        # prompts still being prefilled (a chunk per step): /health, /metrics and a log line per long one
+        self.progress.replace([{**p, "id": self._name(p["id"])} for p in self.engine.prefilling()])
+
+    def _name(self, seq_id) -> str:
+        out = self.active.get(seq_id)
+        return out.job.name if out is not None else str(seq_id)
 
     def _admit(self) -> None:
         while self.engine.free_slots() > 0:
@@ -48,12 +62,22 @@ class BatchWorker(WorkerBase):
             try:
                 # a request's num_draft caps its own row's k; the batch's policy chooses within it
                 self.engine.add(job.id, req.prompt, req.max_tokens, req.sampling, req.seed, self.eos, req.num_draft)
-            except ValueError as e:
-                self.counts["failed"] += 1
-                job.put(Failed(str(e)))
+            except Exception as e:  # this request's failure: the others (running and queued) go on
+                self.fail(job, e)
                 continue
             self.active[job.id] = self.output(job)
             self.running = len(self.active)
+
+    def abort_running(self, message: str) -> None:
+        """A step failed: every running sequence's state is in doubt. Fail them (the queue goes on) and empty
+        the batch without keeping their caches as prefixes (a half-updated cache must not be reused)."""
+        for out in self.active.values():
+            out.job.put(Failed(message))
+        self.active.clear()
+        self.closing.clear()
+        self.running = 0
+        self.engine.reset()
+        self.progress.replace([])
 
     def _deliver(self, result) -> None:
         out = self.active.get(result.seq_id)
@@ -75,6 +99,5 @@ class BatchWorker(WorkerBase):
             "tokens_per_verify": round((s.get("accepted", 0) + passes) / passes, 4) if passes else 0.0,
             "decode_tps": round(s.get("decode_tokens_per_second", 0.0), 2),
         }
-        self.counts["cancelled" if reason == "cancelled" else "served"] += 1
         out.finish(spec, reason)
         del self.active[result.seq_id]

@@ -1,6 +1,7 @@
 """One request on its way through the engine thread. The engine thread turns token ids into text (stop
 strings included) and hands plain Python events to the HTTP side over an asyncio queue; the HTTP side
-cancels a job (the client left) by setting a flag the engine thread reads between steps."""
+cancels a job (the client left) by setting a flag the engine thread reads between steps. Every job ends
+with exactly one terminal event (Done or Failed), which releases its place in the server's queue."""
 
 from __future__ import annotations
 
@@ -44,16 +45,23 @@ class Failed:
     message: str
 
 
+GONE = object()  # put by the HTTP side itself when its client disconnects: stop waiting for the job
+
+
 class Job:
     """Made on the HTTP side (inside the event loop); fed by the engine thread."""
 
-    def __init__(self, request: Request, loop: asyncio.AbstractEventLoop | None = None):
+    def __init__(self, request: Request, loop: asyncio.AbstractEventLoop | None = None, arrived: float | None = None):
         self.id = next(_ids)
         self.request = request
         self.loop = loop or asyncio.get_running_loop()
         self.events: asyncio.Queue = asyncio.Queue()
         self._cancelled = threading.Event()
         self.submitted = time.perf_counter()
+        self.arrived = arrived if arrived is not None else self.submitted  # when its HTTP request came in
+        self.name = f"request-{self.id}"  # the response's id once the HTTP side names it (logs, /health)
+        self.on_end = None  # called once, by the engine thread, with the terminal event
+        self.ended = False
 
     def cancel(self) -> None:
         self._cancelled.set()
@@ -63,6 +71,12 @@ class Job:
         return self._cancelled.is_set()
 
     def put(self, event) -> None:  # engine thread -> event loop
+        if isinstance(event, (Done, Failed)):
+            if self.ended:
+                return
+            self.ended = True
+            if self.on_end is not None:
+                self.on_end(self, event)
         try:
             self.loop.call_soon_threadsafe(self.events.put_nowait, event)
         except RuntimeError:  # the loop has closed (server shutting down)
@@ -72,21 +86,30 @@ class Job:
 class Output:
     """The engine side of a job: counts tokens, makes text, finds the end (EOS, a stop string, the limit)."""
 
-    def __init__(self, job: Job, tokenizer, special: frozenset[int], eos: frozenset[int]):
+    def __init__(self, job: Job, tokenizer, special: frozenset[int], eos: frozenset[int], metrics=None):
         self.job = job
         self.eos = eos
+        self.metrics = metrics  # metrics.ServeMetrics: time to first token, inter-token latency
         self.stream = TextStream(tokenizer, special, job.request.stop)
         self.generated = 0
         self.finish_reason: str | None = None
         self.started = time.perf_counter()
         self.first_token_time: float | None = None
+        self.last_token_time: float | None = None
 
     def add(self, tokens: list[int]) -> bool:
         """Emit tokens (already cut at max_tokens and after an EOS by the engine). True when finished."""
         if self.finish_reason is not None:
             return True
+        now = time.perf_counter()
         if self.first_token_time is None:
-            self.first_token_time = time.perf_counter()
+            self.first_token_time = now
+            if self.metrics is not None and tokens:
+                self.metrics.first_token(now - self.job.arrived)
+        elif self.metrics is not None and tokens:
+            self.metrics.later_tokens(now - self.last_token_time, len(tokens))
+        if tokens:
+            self.last_token_time = now
         self.generated += len(tokens)
         delta = self.stream.add(tokens)
         if delta:

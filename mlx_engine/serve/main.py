@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import ipaddress
+import os
 import socket
 import sys
 from pathlib import Path
 
-from ..args import count
+from ..args import count, finite
 from ..drafters import registry
 from ..drafters.registry import DrafterError, DrafterOptions
+from .intake import DEFAULT_MAX_BODY_BYTES
 
 BATCHING = ("auto", "continuous", "fair")
 
@@ -33,6 +36,15 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-queue", type=count(1), default=64,
                    help="requests running or waiting before new ones get 503 (default 64)")
     p.add_argument("--max-tokens", type=count(1), default=512, help="default max_tokens of a request (default 512)")
+    p.add_argument("--max-body-bytes", type=count(1), default=DEFAULT_MAX_BODY_BYTES,
+                   help="largest request body, in bytes (default 8 MiB: a whole 128k-token context fits many times "
+                        "over); a larger one gets 413")
+    p.add_argument("--api-key", default=os.environ.get("MLX_ENGINE_API_KEY") or None,
+                   help="requests must carry 'Authorization: Bearer KEY' (401 otherwise; /health stays open); "
+                        "default: the environment variable MLX_ENGINE_API_KEY, else no key")
+    p.add_argument("--shutdown-timeout", type=finite(0), default=20.0,
+                   help="on Ctrl-C / SIGTERM, seconds running requests get to finish before they are cancelled "
+                        "(default 20, under Kubernetes' 30 s grace period)")
     p.add_argument("--batching", choices=BATCHING, default="auto",
                    help="continuous: batch concurrent requests (KV-cache models); fair: one at a time, first come "
                         "first served (any model); auto (default): continuous where the model allows")
@@ -96,14 +108,33 @@ def build_service(args):
         name = name[: -len(".gguf")]
     engine_vocab = int((loaded.config.get("text_config") or loaded.config).get("vocab_size", 0)) or len(
         loaded.tokenizer.get_vocab())
-    return Service(name, loaded.tokenizer, context_length(loaded.config), engine_vocab, worker, args.max_tokens), kind
+    service = Service(name, loaded.tokenizer, context_length(loaded.config), engine_vocab, worker, args.max_tokens,
+                      max_body_bytes=args.max_body_bytes, api_key=args.api_key)
+    return service, kind
+
+
+def make_server(service, args, port: int):
+    """The uvicorn server over the app; on shutdown it waits --shutdown-timeout s for running requests."""
+    import uvicorn
+
+    from .app import create_app
+
+    config = uvicorn.Config(create_app(service), host=args.host, port=port, log_level="warning",
+                            timeout_graceful_shutdown=args.shutdown_timeout)
+    return uvicorn.Server(config)
+
+
+def beyond_loopback(host: str) -> bool:
+    if host == "localhost":
+        return False
+    try:
+        return not ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it may resolve anywhere
+        return True
 
 
 def run_serve(args) -> int:
-    import uvicorn
-
     from ..cli import UsageError
-    from .app import create_app
 
     # bound here, before the load, so a taken port fails at once and --port 0 can say which port it got
     try:
@@ -118,8 +149,10 @@ def run_serve(args) -> int:
         sock.close()
         raise
     service.worker.start()
-    config = uvicorn.Config(create_app(service), host=args.host, port=port, log_level="warning")
-    server = uvicorn.Server(config)
+    server = make_server(service, args, port)
+    if beyond_loopback(args.host) and not args.api_key:
+        print(f"warning: listening on {args.host}, beyond this machine, with no API key: anyone who can reach port "
+              f"{port} can use the model (set --api-key or MLX_ENGINE_API_KEY)", file=sys.stderr, flush=True)
     print(f"serving {service.model_id} on http://{args.host}:{port}/v1 (drafter {kind}, num-draft "
           f"{args.num_draft}, {service.worker.mode}, up to {args.max_concurrency} at once"
           f"{', batch invariant' if service.worker.status()['batch_invariant'] else ''})", file=sys.stderr, flush=True)

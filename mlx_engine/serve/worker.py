@@ -1,17 +1,24 @@
 """The engine thread, fair-queue form: requests are served one at a time, first come first served, by the
 engine the CLI uses (any model, any drafter, recurrent or sliding-window caches included). The next
 conversation turn reuses the cache of the common prefix (Engine keeps it). Used where continuous batching
-cannot run: a cache that is not plain KV, or a separate draft model."""
+cannot run: a cache that is not plain KV, or a separate draft model.
+
+WorkerBase holds what both forms share: admission (at most `max_queue` requests in, counted from
+submission to their terminal event), the counts /health and /metrics show, and the rule that a failure
+fails its own job only: the queue goes on."""
 
 from __future__ import annotations
 
 import queue
+import sys
 import threading
 import traceback
 
 from .. import text as text_ops
 from ..core.engine import Engine, GenerationConfig
-from .jobs import Failed, Job, Output, speculation
+from .jobs import Done, Failed, Job, Output, speculation
+from .metrics import ServeMetrics
+from .progress import PrefillProgress
 
 
 class WorkerBase:
@@ -25,21 +32,38 @@ class WorkerBase:
         self.num_draft = num_draft
         self.queue: queue.Queue = queue.Queue()
         self.counts = {"served": 0, "cancelled": 0, "failed": 0}
+        self.draft_totals = {"drafted": 0, "accepted": 0, "verify_passes": 0, "verify_tokens": 0}
         self.running = 0
+        self.admitted = 0  # requests in: queued, being prefilled or decoded (the HTTP side's 503 reads it)
+        self.kv_bytes = 0  # sampled by the engine thread (an MLX call stays on it)
+        self.progress = PrefillProgress()  # prompts being prefilled: /health, /metrics, the log
+        self.metrics = ServeMetrics(self.metrics_snapshot)
+        self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     # -- HTTP side -------------------------------------------------------------------------------
-    def saturated(self) -> bool:
-        return self.queue.qsize() + self.running >= self.max_queue
-
-    def submit(self, job: Job) -> None:
+    def try_submit(self, job: Job) -> bool:
+        """Queue the job unless `max_queue` requests are already in (then False: the caller answers 503)."""
+        with self._lock:
+            if self.admitted >= self.max_queue:
+                return False
+            self.admitted += 1
+        job.on_end = self._ended
         self.queue.put(job)
+        return True
 
     def status(self) -> dict:
         engine = getattr(self, "engine", None)
         return {"mode": self.mode, "batch_invariant": bool(getattr(engine, "batch_invariant", False)),
-                "queued": self.queue.qsize(), "running": self.running, **self.counts}
+                "queued": self.queue.qsize(), "running": self.running, **self.counts,
+                "prefilling": self.progress.snapshot}
+
+    def metrics_snapshot(self) -> dict:
+        with self.queue.mutex:  # prompts still in the queue: none of their tokens is prefilled yet
+            waiting = sum(len(j.request.prompt) for j in self.queue.queue if not j.cancelled)
+        return {"queued": self.queue.qsize(), "running": self.running, **self.counts, **self.draft_totals,
+                "prefill_pending_tokens": waiting + self.progress.pending_tokens(), "kv_bytes": self.kv_bytes}
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._main, name="mlx-engine", daemon=True)
@@ -55,12 +79,39 @@ class WorkerBase:
         while not self._stop.is_set():
             try:
                 self.loop_once()
-            except Exception as e:  # a bug must not kill the server silently
+            except Exception as e:  # a bug: fail the requests it touched, keep serving the queue
                 traceback.print_exc()
-                self.fail_all(f"internal error: {type(e).__name__}: {e}")
+                try:
+                    self.abort_running(f"internal error: {type(e).__name__}: {e}")
+                except Exception:  # the thread must live on: the queued requests still get served
+                    traceback.print_exc()
+
+    def _ended(self, job: Job, event) -> None:
+        with self._lock:
+            self.admitted -= 1
+        if isinstance(event, Failed):
+            self.counts["failed"] += 1
+        elif event.finish_reason == "cancelled":
+            self.counts["cancelled"] += 1
+        else:
+            self.counts["served"] += 1
+        spec = event.speculation if isinstance(event, Done) else {}
+        if spec.get("verify_passes"):
+            self.draft_totals["drafted"] += spec["drafted"]
+            self.draft_totals["accepted"] += spec["accepted"]
+            self.draft_totals["verify_passes"] += spec["verify_passes"]
+            self.draft_totals["verify_tokens"] += round(spec["tokens_per_verify"] * spec["verify_passes"])
+
+    def fail(self, job: Job, e: BaseException) -> None:
+        """One job's failure: it alone gets the error; a ValueError is the engine refusing the request (no
+        traceback), anything else a bug (its traceback in the log)."""
+        if not isinstance(e, ValueError):
+            print(f"request {job.id} failed:", file=sys.stderr)
+            traceback.print_exception(e)
+        job.put(Failed(str(e) if isinstance(e, ValueError) else f"internal error: {type(e).__name__}: {e}"))
 
     def output(self, job: Job) -> Output:
-        return Output(job, self.tokenizer, self.special, self.eos)
+        return Output(job, self.tokenizer, self.special, self.eos, self.metrics)
 
     def next_job(self, timeout: float | None) -> Job | None:
         while True:
@@ -70,12 +121,11 @@ class WorkerBase:
                 return None
             if not job.cancelled:
                 return job
-            self.counts["cancelled"] += 1  # its client left while it waited
+            job.put(Done("cancelled", len(job.request.prompt), 0, {}))  # its client left while it waited
             timeout = None
 
-    def fail_all(self, message: str) -> None:
-        while (job := self.next_job(None)) is not None:
-            job.put(Failed(message))
+    def abort_running(self, message: str) -> None:
+        """After an unexpected error in the engine thread: fail the requests being served (not the queued)."""
 
     def loop_once(self) -> None:
         raise NotImplementedError
@@ -87,39 +137,44 @@ class FairQueueWorker(WorkerBase):
     def __init__(self, engine: Engine, tokenizer, **kw):
         super().__init__(tokenizer, **kw)
         self.engine = engine
+        self.current: Job | None = None
 
     def loop_once(self) -> None:
         job = self.next_job(0.1)
         if job is None:
             return
-        self.running = 1
+        self.running, self.current = 1, job
         try:
             self.serve(job)
         except Exception as e:
-            self.counts["failed"] += 1
-            job.put(Failed(f"{type(e).__name__}: {e}"))
+            self.fail(job, e)
         finally:
-            self.running = 0
+            self.running, self.current = 0, None
+            self.kv_bytes = getattr(self.engine, "kv_bytes", lambda: 0)()  # Engine.kv_bytes() is on its way (lead)
+
+    def abort_running(self, message: str) -> None:
+        if self.current is not None:
+            self.current.put(Failed(message))
 
     def serve(self, job: Job) -> None:
         req, engine = job.request, self.engine
         num_draft = self.num_draft if req.num_draft is None else req.num_draft
-        cfg = GenerationConfig(max_tokens=req.max_tokens, num_draft=num_draft, sampling=req.sampling, seed=req.seed,
-                               stop_tokens=self.eos)
         out = self.output(job)
+        # progress per prefill chunk; a client that left stops the prefill at the next chunk
+        cfg = GenerationConfig(max_tokens=req.max_tokens, num_draft=num_draft, sampling=req.sampling, seed=req.seed,
+                               stop_tokens=self.eos, should_stop=lambda: job.cancelled,
+                               on_prefill=lambda done, total: self.progress.update(job.name, done, total))
         gen = engine.generate(req.prompt, cfg)
-        cancelled = False
         try:
             for step in gen:
-                if job.cancelled:
-                    cancelled = True
-                    break
-                if out.add(step.tokens):
+                self.progress.finish(job.name)
+                if job.cancelled or out.add(step.tokens):
                     break
         finally:
             gen.close()
+            self.progress.finish(job.name)
+        cancelled = job.cancelled and out.finish_reason is None  # left before its end (mid-prefill included)
         s = engine.stats
         drafter = engine.drafter.name if engine.drafter is not None else None
         spec = speculation(s.drafted, s.accepted, s.cycles, s.generated, s.decode_time, drafter)
-        self.counts["cancelled" if cancelled else "served"] += 1
         out.finish(spec, "cancelled" if cancelled else None)
