@@ -59,7 +59,9 @@ def test_accept_reference_greedy_equals_verify():
 
 
 @pytest.mark.parametrize("with_q", [True, False])
-def test_accept_reference_sampled_n_equals_verify(with_q):
+def test_accept_reference_sampled_equals_verify(with_q):
+    """Given the same draws, the kernels' reference and verify.py accept the same drafts and emit the same
+    corrected (after a rejection) or bonus (after a full accept) token."""
     rng = np.random.default_rng(1)
     V = 30
     ns = []
@@ -76,9 +78,10 @@ def test_accept_reference_sampled_n_equals_verify(with_q):
         packed = verify.accept_sampled(p, draft, q if with_q else None, key).tolist()
         assert n == packed[0]
         assert packed[1 : 1 + n] == draft.tolist()[:n]
-        assert 0 <= nxt < V
-        ns.append(n)
-    assert min(ns) == 0 and max(ns) >= 2
+        assert 0 <= nxt < V and nxt == packed[1 + n], f"k={k}, n={n}: the corrected/bonus token differs"
+        ns.append((k, n))
+    assert min(n for _, n in ns) == 0 and max(n for _, n in ns) >= 2
+    assert any(0 < n == k for k, n in ns) and any(n < k for k, n in ns)  # bonus and corrected tokens both compared
 
 
 def _first_token_distribution(p, q, x, N=120):
