@@ -190,6 +190,45 @@ def test_max_queue_admits_exactly_n_then_503_with_retry_after(server, monkeypatc
     assert wait_for(lambda: worker.admitted == 0, 30)
 
 
+def test_a_client_leaving_the_queue_frees_its_place_at_once(server, monkeypatch):
+    """--max-queue 2, A held in its prefill, B waiting in the queue: B's client leaves, so B is taken out of the
+    queue at once (not when the engine thread would reach it) and C gets B's place instead of a 503."""
+    worker = server.service.worker
+    real, in_prefill, release = worker.engine.add, threading.Event(), threading.Event()
+
+    def held_add(*a, **kw):
+        in_prefill.set()
+        release.wait(60)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(worker.engine, "add", held_add)
+    cancelled = worker.counts["cancelled"]
+    results = {}
+
+    def send(name):
+        results[name] = post(server, "/v1/completions", {"model": server.model, "prompt": f"Request {name}:",
+                                                          "max_tokens": 3})
+
+    a = threading.Thread(target=send, args=("A",))
+    a.start()
+    c = threading.Thread(target=send, args=("C",))
+    try:
+        assert in_prefill.wait(30)
+        b = start_request(server, 3)
+        assert wait_for(lambda: worker.queue.qsize() == 1 and worker.admitted == 2, 30)
+        b.close()
+        assert wait_for(lambda: worker.queue.qsize() == 0 and worker.admitted == 1, 30)
+        assert worker.counts["cancelled"] == cancelled + 1
+        c.start()
+        assert wait_for(lambda: worker.queue.qsize() == 1 or "C" in results, 30)
+    finally:
+        release.set()
+        a.join(120)
+        if c.is_alive() or c.ident:
+            c.join(120)
+    assert results["A"].status_code == results["C"].status_code == 200
+
+
 def start_request(s, max_tokens: int):
     """A non-streamed request on its own socket (the test decides when the client leaves)."""
     body = json.dumps({"model": s.model, "prompt": "Once upon a time", "max_tokens": max_tokens,

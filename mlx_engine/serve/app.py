@@ -100,11 +100,11 @@ def create_app(service: Service) -> FastAPI:
 
     async def complete(job: Job, envelope: dict, chat: bool, http: HTTPRequest):
         parts = []
-        watcher = asyncio.create_task(watch_disconnect(http, job))
+        watcher = asyncio.create_task(watch_disconnect(http, job, service.worker.cancel))
         try:
             while True:
                 event = await job.events.get()
-                if event is GONE:  # nobody reads this answer; its job is cancelled
+                if event is GONE or getattr(event, "finish_reason", None) == "cancelled":  # nobody reads this
                     return JSONResponse(error_body("client disconnected", "cancelled"), status_code=499)
                 if isinstance(event, Delta):
                     parts.append(event.text)
@@ -113,7 +113,7 @@ def create_app(service: Service) -> FastAPI:
                 elif isinstance(event, Done):
                     break
         except asyncio.CancelledError:  # the server is shutting down past --shutdown-timeout: say so
-            job.cancel()
+            service.worker.cancel(job)
             return error_response(SHUTTING_DOWN)
         finally:
             watcher.cancel()
@@ -142,13 +142,13 @@ def create_app(service: Service) -> FastAPI:
                 out["choices"] = [{"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}]
             return out
 
-        watcher = asyncio.create_task(watch_disconnect(http, job))
+        watcher = asyncio.create_task(watch_disconnect(http, job, service.worker.cancel))
         try:
             if chat:
                 yield sse(chunk("", None, first=True))
             while True:
                 event = await job.events.get()
-                if event is GONE:
+                if event is GONE or getattr(event, "finish_reason", None) == "cancelled":  # the client left
                     return
                 if isinstance(event, Delta):
                     yield sse(chunk(event.text, None))
@@ -166,22 +166,22 @@ def create_app(service: Service) -> FastAPI:
                     break
             yield "data: [DONE]\n\n"
         except asyncio.CancelledError:  # shutting down past --shutdown-timeout (or the client left): say so
-            job.cancel()
+            service.worker.cancel(job)
             yield sse(error_body(SHUTTING_DOWN.message, SHUTTING_DOWN.type, code=SHUTTING_DOWN.code))
         finally:  # the client went away (the generator is closed) or the stream ended: stop the job
             watcher.cancel()
-            job.cancel()
+            service.worker.cancel(job)
 
     return app
 
 
-async def watch_disconnect(http: HTTPRequest, job: Job) -> None:
+async def watch_disconnect(http: HTTPRequest, job: Job, cancel) -> None:
     """Wait on the request's ASGI receive(): its body is read, so the next message is `http.disconnect`,
     sent the moment the client closes its connection. Then cancel the job and wake whoever waits on it."""
     while True:
         message = await http.receive()
         if message["type"] == "http.disconnect":
-            job.cancel()
+            cancel(job)
             job.events.put_nowait(GONE)
             return
 

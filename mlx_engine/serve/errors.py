@@ -34,7 +34,8 @@ def invalid_request(e: ValidationError) -> APIError:
     loc = [str(x) for x in first.get("loc", ())]
     msg = first.get("msg", "invalid request").removeprefix("Value error, ")
     unsupported = isinstance((first.get("ctx") or {}).get("error"), Unsupported)
-    return APIError(400, f"{'.'.join(loc) + ': ' if loc else ''}{msg}", param=loc[0] if loc else None,
+    where = "" if not loc or msg.startswith(".".join(loc)) else ".".join(loc) + ": "  # "seed must be ..." names itself
+    return APIError(400, where + msg, param=loc[0] if loc else None,
                     code="unsupported_parameter" if unsupported else None)
 
 

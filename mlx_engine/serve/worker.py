@@ -53,6 +53,17 @@ class WorkerBase:
         self.queue.put(job)
         return True
 
+    def cancel(self, job: Job) -> None:
+        """The client left: flag the job, and if it still waits in the queue take it out now (its place in
+        --max-queue is free at once, not when the engine thread would have reached it)."""
+        job.cancel()
+        with self.queue.mutex:
+            try:
+                self.queue.queue.remove(job)
+            except ValueError:  # the engine thread has it: it sees the flag between steps
+                return
+        job.put(Done("cancelled", len(job.request.prompt), 0, {}))
+
     def status(self) -> dict:
         engine = getattr(self, "engine", None)
         return {"mode": self.mode, "batch_invariant": bool(getattr(engine, "batch_invariant", False)),
@@ -87,20 +98,18 @@ class WorkerBase:
                     traceback.print_exc()
 
     def _ended(self, job: Job, event) -> None:
+        """A job's terminal event (the engine thread's, or the HTTP side's for a job taken out of the queue)."""
+        outcome = "failed" if isinstance(event, Failed) else \
+            "cancelled" if event.finish_reason == "cancelled" else "served"
+        spec = event.speculation if isinstance(event, Done) else {}
         with self._lock:
             self.admitted -= 1
-        if isinstance(event, Failed):
-            self.counts["failed"] += 1
-        elif event.finish_reason == "cancelled":
-            self.counts["cancelled"] += 1
-        else:
-            self.counts["served"] += 1
-        spec = event.speculation if isinstance(event, Done) else {}
-        if spec.get("verify_passes"):
-            self.draft_totals["drafted"] += spec["drafted"]
-            self.draft_totals["accepted"] += spec["accepted"]
-            self.draft_totals["verify_passes"] += spec["verify_passes"]
-            self.draft_totals["verify_tokens"] += round(spec["tokens_per_verify"] * spec["verify_passes"])
+            self.counts[outcome] += 1
+            if spec.get("verify_passes"):
+                self.draft_totals["drafted"] += spec["drafted"]
+                self.draft_totals["accepted"] += spec["accepted"]
+                self.draft_totals["verify_passes"] += spec["verify_passes"]
+                self.draft_totals["verify_tokens"] += round(spec["tokens_per_verify"] * spec["verify_passes"])
 
     def fail(self, job: Job, e: BaseException) -> None:
         """One job's failure: it alone gets the error; a ValueError is the engine refusing the request (no
