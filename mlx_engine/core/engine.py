@@ -81,7 +81,7 @@ class Engine:
         self, model: nn.Module, drafter: Drafter | None = None, max_draft: int | None = None,
         batch_invariant: bool | str | None = None, context_length: int | None = None,
         prefix_cache_bytes: int = 0, kv_bits: int | None = None, kv_group_size: int = 64,
-        memory: MemoryBudget | None = None,
+        memory: MemoryBudget | None = None, prefix_tree: PrefixCache | None = None,
     ):
         """max_draft: the longest draft the adaptive policy tries (None: the drafter's own, else 8).
         batch_invariant: decode (plain and verify) batch invariant, so speculative output equals plain output
@@ -91,7 +91,8 @@ class Engine:
         it is refused before any work (ContextLengthError). None: not checked.
         prefix_cache_bytes: > 0 keeps a prefix tree of that size (target/prefix_cache.py) that prompts of other
         conversations start from, filled after each generation (`held.prefix_cache_off` says why a model's
-        cache cannot be kept by prefix).
+        cache cannot be kept by prefix); prefix_tree: a tree shared with other engines instead (one that keeps
+        hidden rows serves engines that read none as well).
         kv_bits / kv_group_size: the target's KV cache quantized (target/cache.py); plain and speculative
         decoding then share that cache, and speculative output equals plain output with it.
         memory: a budget (core/memory.py) each prompt + max_tokens is checked against before any work."""
@@ -113,8 +114,8 @@ class Engine:
         # the fused acceptance kernel when a GPU backend is selected; on CPU verify.py's reference
         self._fused_accept = kernels.get("acceptance") if kernels.backend("acceptance") != "reference" else None
         self.stats = SpecStats()
-        tree = PrefixCache(prefix_cache_bytes, with_hidden=hidden_request(drafter) is not None) \
-            if prefix_cache_bytes > 0 else None
+        tree = prefix_tree or (PrefixCache(prefix_cache_bytes, with_hidden=hidden_request(drafter) is not None)
+                               if prefix_cache_bytes > 0 else None)
         self.held = HeldCache(self.target, tree)  # the target cache and exactly the tokens it holds
 
     @property

@@ -67,7 +67,7 @@ class HeldCache:
     def _from_tree(self, prompt: list[int], held: int, want_hidden) -> int:
         """Start from the prefix tree's entries when it holds more of the prompt than the cache does."""
         tree = self.prefix_cache
-        if tree is None or tree.with_hidden != bool(want_hidden) or tree.match(prompt[:-1]) <= held:
+        if tree is None or (want_hidden and not tree.with_hidden) or tree.match(prompt[:-1]) <= held:
             return held
         hit = tree.lookup(prompt[:-1])
         if hit.n <= held:
@@ -75,7 +75,7 @@ class HeldCache:
         self.cache = self.target.make_cache()
         prefix_ops.fill(self.cache, hit.layers, hit.n)
         self.tokens = list(prompt[: hit.n])
-        self.hidden = [hit.hidden] if want_hidden else []
+        self.hidden = [hit.hidden] if want_hidden else []  # (a tree's hidden rows unused by this drafter)
         return hit.n
 
     def prefill(self, prompt: list[int], cfg, want_hidden: HiddenRequest | None):

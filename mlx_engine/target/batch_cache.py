@@ -24,13 +24,6 @@ from mlx.utils import tree_flatten, tree_map
 STEP = 256  # capacity grows in steps of this many positions
 
 
-def _pad(x: mx.array, n: int, axis: int = 2) -> mx.array:
-    """x with n zero positions appended along axis."""
-    shape = list(x.shape)
-    shape[axis] = n
-    return mx.concatenate([x, mx.zeros(shape, dtype=x.dtype)], axis=axis)
-
-
 class BatchKVCache:
     def __init__(self):
         self.keys = None  # [B, H, cap, D] (a quantized cache: a tuple of such parts)
@@ -108,18 +101,30 @@ class BatchKVCache:
         self.lens[i] -= n
 
     def add_row(self, keys, values) -> None:
-        """Append a sequence whose entries are keys/values [1, H, L, D] (L = its length; quantized: parts)."""
+        """Append a sequence whose entries are keys/values [1, H, L, D] (L = its length; quantized: parts).
+        One new array per part, the old rows and the new one written into it (a join copies each entry once)."""
         n = tree_flatten(keys)[0][1].shape[2]
         if self.keys is None:
             self.lens = []
-        self._reserve(max([n, *self.lens]), keys, values)
-        cap = tree_flatten(self.keys)[0][1].shape[2]
+        need = max([n, *self.lens])
+        cap = 0 if self.keys is None else tree_flatten(self.keys)[0][1].shape[2]
+        cap = max(cap, ((need + STEP - 1) // STEP) * STEP)
+        b = len(self.lens)
 
         def append(stored, row):
-            return mx.concatenate([stored, _pad(row, cap - n).astype(stored.dtype)])
+            dtype = stored.dtype if stored is not None else row.dtype
+            out = mx.zeros((b + 1, row.shape[1], cap, row.shape[3]), dtype=dtype)
+            if stored is not None:
+                out[:b, :, : stored.shape[2]] = stored
+            out[b:, :, :n] = row.astype(dtype)
+            return out
 
-        self.keys = tree_map(append, self.keys, keys)
-        self.values = tree_map(append, self.values, values)
+        if self.keys is None:
+            self.keys = tree_map(lambda row: append(None, row), keys)
+            self.values = tree_map(lambda row: append(None, row), values)
+        else:
+            self.keys = tree_map(append, self.keys, keys)
+            self.values = tree_map(append, self.values, values)
         self.lens.append(n)
 
     def keep_rows(self, rows: list[int]) -> None:
