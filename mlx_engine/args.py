@@ -114,37 +114,3 @@ def interrupted() -> int:
     print("\ninterrupted", file=sys.stderr, flush=True)
     return INTERRUPTED
 
-
-def size(text: str) -> int:
-    """A memory size: 16GB, 512MiB, 1.5g or bytes."""
-    from .core.memory import parse_size
-
-    try:
-        return parse_size(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
-size.__name__ = "size"
-
-
-def add_memory_args(p: argparse.ArgumentParser, prefix_cache: bool = False) -> None:
-    """--kv-bits, --kv-group-size, --draft-kv-bits, --max-memory (and the prefix cache's budget for the
-    commands that serve several prompts): the same flags for generate, serve and the chat."""
-    from .target.cache import KV_BITS, KV_GROUP_SIZES
-
-    p.add_argument("--kv-bits", type=int, choices=KV_BITS, default=None,
-                   help="quantize the target's KV cache to this many bits (default: full precision); speculative "
-                        "output still equals plain decoding with the same cache")
-    p.add_argument("--kv-group-size", type=int, choices=KV_GROUP_SIZES, default=64,
-                   help="values per quantization group of the KV cache (default 64; must divide the head dimension)")
-    p.add_argument("--draft-kv-bits", type=int, choices=KV_BITS, default=None,
-                   help="quantize the drafter's own KV cache (a draft model's, an MTP or EAGLE-3 head's) separately "
-                        "from the target's (default: full precision)")
-    p.add_argument("--max-memory", type=size, default=None, metavar="SIZE",
-                   help="memory budget for weights + KV caches, e.g. 12GB (default: MLX's memory limit for this "
-                        "device); what does not fit is refused with a message instead of swapping")
-    if prefix_cache:
-        p.add_argument("--prefix-cache", type=size, default=None, metavar="SIZE",
-                       help="memory for cached prompt prefixes shared across requests (default: a tenth of the "
-                            "memory budget; 0 = off)")

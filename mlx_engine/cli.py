@@ -7,21 +7,53 @@ import sys
 import mlx.core as mx
 
 from . import text
-from .args import add_memory_args, count, finite
+from .args import count, finite
 from .drafters import registry
 from .drafters.registry import DrafterError, DrafterOptions
 from .core.context import ContextLengthError, check_context
 from .core.engine import Engine, GenerationConfig
-from .core.memory import MemoryBudget, MemoryBudgetError, device_memory, plan
+from .core.memory import MemoryBudget, MemoryBudgetError, device_memory, parse_size, plan
 from .drafters.base import quantize_kv
 from .models import LoadedModel, ModelLoadError, load, parameter_bytes
 from .sampling import SamplingConfig
+from .target.cache import KV_BITS, KV_GROUP_SIZES
 
 DRAFTERS = registry.KINDS
 
 
 class UsageError(ValueError):
     """Bad input from the command line; reported as `error: ...` with exit status 2."""
+
+
+def size(text: str) -> int:
+    """A memory size: 16GB, 512MiB, 1.5g or bytes."""
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+size.__name__ = "size"
+
+
+def add_memory_args(p: argparse.ArgumentParser, prefix_cache: bool = False) -> None:
+    """--kv-bits, --kv-group-size, --draft-kv-bits, --max-memory (and the prefix cache's budget for the
+    commands that serve several prompts): the same flags for generate, serve and the chat."""
+    p.add_argument("--kv-bits", type=int, choices=KV_BITS, default=None,
+                   help="quantize the target's KV cache to this many bits (default: full precision); speculative "
+                        "output still equals plain decoding with the same cache")
+    p.add_argument("--kv-group-size", type=int, choices=KV_GROUP_SIZES, default=64,
+                   help="values per quantization group of the KV cache (default 64; must divide the head dimension)")
+    p.add_argument("--draft-kv-bits", type=int, choices=KV_BITS, default=None,
+                   help="quantize the drafter's own KV cache (a draft model's, an MTP or EAGLE-3 head's) separately "
+                        "from the target's (default: full precision)")
+    p.add_argument("--max-memory", type=size, default=None, metavar="SIZE",
+                   help="memory budget for weights + KV caches, e.g. 12GB (default: MLX's memory limit for this "
+                        "device); what does not fit is refused with a message instead of swapping")
+    if prefix_cache:
+        p.add_argument("--prefix-cache", type=size, default=None, metavar="SIZE",
+                       help="memory for cached prompt prefixes shared across requests (default: a tenth of the "
+                            "memory budget; 0 = off)")
 
 
 def add_generate_args(p: argparse.ArgumentParser) -> None:
@@ -33,13 +65,16 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
                    help="with --drafter draft: a safetensors file with a 'vocab_subset' array of token ids (e.g. a "
                         "head from train-mtp --vocab-subset N); the draft scores only those tokens (cheaper, lossless)")
     p.add_argument("--mtp-weights",
-                   help="safetensors file with the MTP head, or a GGUF with llama.cpp's nextn tensors (GLM-4.x), "
-                        "for --drafter mtp (default: the head next to the model, or the one shipped for it)")
+                   help="the MTP head for --drafter mtp: a safetensors file, a GGUF with llama.cpp's nextn tensors "
+                        "(GLM-4.x), a folder with a checkpoint's index and head shards, or hub:OWNER/NAME (only the "
+                        "shards holding the head are fetched, once; 'hub': the target's base_model) (default: the "
+                        "head next to the model, one fetched before for its base model, or the one shipped for it)")
     p.add_argument("--eagle3", metavar="PATH",
-                   help="EAGLE-3 checkpoint folder (config.json + safetensors, Hugging Face layout) for --drafter eagle3")
-    p.add_argument("--dflash", help="DFlash checkpoint folder (z-lab layout) for --drafter dflash")
-    p.add_argument("--assistant", help="Gemma 4 assistant checkpoint folder for --drafter gemma4-assistant "
-                                       "(the target must be a Gemma 4 model)")
+                   help="EAGLE-3 checkpoint folder (config.json + safetensors, Hugging Face layout) or hub:OWNER/NAME "
+                        "for --drafter eagle3")
+    p.add_argument("--dflash", help="DFlash checkpoint folder (z-lab layout) or hub:OWNER/NAME for --drafter dflash")
+    p.add_argument("--assistant", help="Gemma 4 assistant checkpoint folder or hub:OWNER/NAME for --drafter "
+                                       "gemma4-assistant (the target must be a Gemma 4 model)")
     p.add_argument("--num-draft", default="auto",
                    help="tokens drafted per cycle: k >= 0, or auto (default): the k that measures fastest, 0 included")
     p.add_argument("--temp", type=finite(0.0), default=0.0, help="sampling temperature; 0 = greedy (default)")
