@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: setup chat test test-slow test-all test-gpu clean
+.PHONY: setup chat test test-slow test-all test-gpu mutants clean
 
 setup: $(STAMP)
 
@@ -30,6 +30,11 @@ test-all: $(STAMP)
 GPU_PY ?= python3
 test-gpu:
 	$(GPU_PY) -m pytest -m "not slow" -p no:cacheprovider --ignore=tests/test_app.py --ignore=tests/test_metal_emulator.py $(PYTEST_ARGS)
+
+# Deliberate bugs put into a temporary copy of the tree, one at a time (scripts/mutants.py): each must turn its
+# tests red. ARGS="--only NAME" runs one; ARGS="--list" lists them. Exit status 1 if one survives.
+mutants: $(STAMP)
+	$(PY) scripts/mutants.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,237 @@
+"""`make mutants`: put small realistic bugs into a copy of the tree, one at a time, and check that the
+tests named for each go red (issue 26: the lossless bugs earlier tests let through).
+
+    .venv/bin/python scripts/mutants.py                # every mutant; exit 1 if one survives
+    .venv/bin/python scripts/mutants.py --list         # what the mutants are
+    .venv/bin/python scripts/mutants.py --only bonus-row --only top-k
+
+The working tree is never touched: its files (tracked, and untracked ones git does not ignore) are copied
+into a temporary folder; each mutant replaces one exact snippet of one file there, runs its tests with the
+repository's .venv python from that folder (which imports the copy's packages, checked before anything
+runs), and puts the file back. A snippet that is not found exactly once is an error: the code changed and
+the mutant needs updating. The tests first run once on the unmutated copy: a red baseline proves nothing.
+Mutation-testing tools (mutmut, cosmic-ray) mutate operators at random and take hours on this suite; a
+short curated list of the bugs that matter (each a bug that was made or nearly made) runs in minutes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+DIST = "tests/test_distribution_positions.py"
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    file: str
+    original: str
+    mutated: str
+    tests: tuple[str, ...]  # pytest arguments (files, node ids, -k expressions)
+    bug: str
+
+
+MUTANTS = [
+    Mutant("bonus-row", "mlx_engine/core/verify.py",
+           "rows = mx.concatenate([residual, target_probs[k:]], axis=0)",
+           "rows = mx.concatenate([residual, target_probs[max(k - 1, 0) : max(k, 1)]], axis=0)",
+           (DIST, "-k", "engine"), "the bonus token after a full accept is drawn from p[k-1] instead of p[k]"),
+    Mutant("top-k", "mlx_engine/sampling.py",
+           "kth = mx.sort(x, axis=-1)[:, vocab - cfg.top_k][:, None]",
+           "kth = mx.sort(x, axis=-1)[:, vocab - cfg.top_k - 1][:, None]",
+           (DIST, "-k", "engine"), "top-k keeps k+1 tokens (caught by the engine's distribution alone)"),
+    Mutant("penalty-history", "mlx_engine/sampling.py",
+           "ends = mx.arange(c, c + n)[:, None]",
+           "ends = mx.full((n, 1), c)",
+           ("tests/test_penalty_equality.py",),
+           "every verify row is penalised with the committed history only, not the earlier drafts"),
+    Mutant("rotating-window", "mlx_engine/target/cache.py",
+           "return c.offset + n_new < c.max_size",
+           "return c.offset < c.max_size",
+           ("tests/test_rotating_window.py",),
+           "a rotating window counts as trimmable without the pass's own growth"),
+    Mutant("replay-first", "mlx_engine/core/engine.py",
+           "self._replay = kept[len(kept) - replay :] if replay else []",
+           "self._replay = kept[len(kept) - replay + 1 :] if replay else []",
+           ("tests/test_replay.py",), "the replay list drops its first kept token"),
+    Mutant("ratio-inverted", "mlx_engine/core/verify.py",
+           "n = accepted_prefix(uniforms * q_draft < p_draft)",
+           "n = accepted_prefix(uniforms * p_draft < q_draft)",
+           (DIST,), "a draft is accepted with probability q/p instead of p/q"),
+    Mutant("residual-row", "mlx_engine/core/verify.py",
+           "residual = mx.maximum(target_probs[:k] - draft_probs, 0.0)",
+           "residual = mx.maximum(target_probs[1:] - draft_probs, 0.0)",
+           (DIST, "-k", "engine"), "the residual max(0, p - q) is taken at the next row of p"),
+    Mutant("top-p-inclusive", "mlx_engine/sampling.py",
+           "keep_sorted = before < cfg.top_p",
+           "keep_sorted = before + sorted_p < cfg.top_p",
+           (DIST,), "top-p drops the token that crosses p (an inclusive cumulative sum)"),
+    Mutant("cdf-off-by-one", "mlx_engine/sampling.py",
+           "hit = positive & (cdf > uniform * cdf[:, -1:])",
+           "hit = positive & (cdf - probs > uniform * cdf[:, -1:])",
+           (DIST, "-k", "accept_sampled or engine"), "inverse-CDF sampling returns the token after the drawn one"),
+    Mutant("trim-index", "mlx_engine/target/cache.py",
+           "    if ckpt.exact_trim:\n        for c in caches:\n            c.trim(n_drop)",
+           "    if ckpt.exact_trim:\n        for c in caches:\n            c.trim(n_drop - 1)",
+           ("tests/test_rollback.py",), "a KV rollback keeps one rejected token"),
+    Mutant("draft-rollback", "mlx_engine/drafters/draft_model.py",
+           "kept = self.pending + self.history[-1:] + verdict.tokens[:n]",
+           "kept = self.pending + self.history[-1:] + verdict.tokens[: max(n - 1, 0)]",
+           ("tests/test_rollback.py",), "the draft model's cache drops its last accepted draft"),
+    Mutant("plain-after-replay", "mlx_engine/core/engine.py",
+           "first = self._replay + [self._last]",
+           "first = [self._last]",
+           ("tests/test_replay.py",), "a plain stretch after a snapshot rollback forgets the tokens to replay"),
+    Mutant("bonus-row-served", "mlx_engine/core/verify.py",
+           "rows = mx.concatenate([residual, target_probs[k:]], axis=0)",
+           "rows = mx.concatenate([residual, target_probs[max(k - 1, 0) : max(k, 1)]], axis=0)",
+           ("tests/test_serve_sampled.py",), "the bonus-row bug, seen through the server's sampled requests"),
+    Mutant("residual-row-mtp", "mlx_engine/core/verify.py",
+           "residual = mx.maximum(target_probs[:k] - draft_probs, 0.0)",
+           "residual = mx.maximum(target_probs[1:] - draft_probs, 0.0)",
+           ("tests/test_mtp_sampled.py",), "the residual-row bug, seen through sampled MTP drafting"),
+    Mutant("kernel-bonus-row", "mlx_engine/kernels/acceptance.py",
+           "rows = mx.concatenate([residual, p[k:]], axis=0)",
+           "rows = mx.concatenate([residual, p[k - 1 : k]], axis=0)",
+           ("tests/test_kernels_reference.py", "-k", "accept_reference"),
+           "the fused kernels' reference draws the bonus from p[k-1] (its corrected token checked)"),
+]
+
+
+def copy_tree(dest: Path) -> int:
+    """The working tree's files (tracked + untracked, not ignored) into dest. -> files copied."""
+    names = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=REPO,
+                           check=True, capture_output=True).stdout.decode().split("\0")
+    n = 0
+    for name in filter(None, names):
+        src = REPO / name
+        if not src.exists() or src.is_dir():  # deleted in the working tree, or a submodule
+            continue
+        (dest / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(src, dest / name, follow_symlinks=False)
+        n += 1
+    return n
+
+
+def environment(copy: Path) -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(copy), *filter(None, [env.get("PYTHONPATH")])])
+    env.pop("PYTEST_ADDOPTS", None)
+    return env
+
+
+def check_imports(python: str, copy: Path) -> None:
+    code = "import app, metal_kernels, mlx_engine; print(mlx_engine.__file__, metal_kernels.__file__, app.__file__)"
+    out = subprocess.run([python, "-c", code], cwd=copy, env=environment(copy), capture_output=True, text=True)
+    paths = out.stdout.split()
+    if out.returncode != 0 or not paths or not all(Path(p).resolve().is_relative_to(copy.resolve()) for p in paths):
+        raise SystemExit(f"error: the copy's packages are not the ones imported: {out.stdout.strip() or out.stderr.strip()}")
+
+
+def run_tests(python: str, copy: Path, args: tuple[str, ...], timeout: float, stop_first: bool):
+    """-> (outcome, seconds, output tail); outcome 'passed', 'failed', 'timeout' or 'error: ...'."""
+    cmd = [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", *(["-x"] if stop_first else []), *args]
+    t = time.perf_counter()
+    proc = subprocess.Popen(cmd, cwd=copy, env=environment(copy), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        return "timeout", time.perf_counter() - t, out[-2000:]
+    seconds = time.perf_counter() - t
+    outcome = {0: "passed", 1: "failed", 2: "failed"}.get(proc.returncode, f"error: pytest exit status {proc.returncode}")
+    return outcome, seconds, out[-2000:]
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--only", action="append", default=[], metavar="NAME", help="run only this mutant (repeatable)")
+    p.add_argument("--list", action="store_true", help="list the mutants and exit")
+    p.add_argument("--python", default=str(REPO / ".venv" / "bin" / "python"), help="the interpreter (default .venv)")
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds per test run (default 900)")
+    p.add_argument("--no-baseline", action="store_true", help="skip the run of the tests on the unmutated copy")
+    p.add_argument("--keep", action="store_true", help="keep the temporary copy (its path is printed)")
+    args = p.parse_args(argv)
+    if args.list:
+        for m in MUTANTS:
+            print(f"{m.name:20} {m.file}: {m.bug}\n{'':20} tests: {' '.join(m.tests)}")
+        return 0
+    unknown = sorted(set(args.only) - {m.name for m in MUTANTS})
+    if unknown:
+        print(f"error: --only {unknown[0]}: no such mutant (see --list)", file=sys.stderr)
+        return 2
+    if not Path(args.python).exists():
+        print(f"error: --python {args.python}: not found (run `make setup`)", file=sys.stderr)
+        return 2
+    chosen = [m for m in MUTANTS if not args.only or m.name in args.only]
+    copy = Path(tempfile.mkdtemp(prefix="mlx-engine-mutants-"))
+    try:
+        n = copy_tree(copy)
+        print(f"copied {n} files to {copy}", flush=True)
+        check_imports(args.python, copy)
+        if not args.no_baseline:
+            files = tuple(dict.fromkeys(a for m in chosen for a in m.tests if a.endswith(".py")))
+            outcome, seconds, tail = run_tests(args.python, copy, files, args.timeout, stop_first=False)
+            print(f"baseline (no mutation): {outcome} in {seconds:.0f} s", flush=True)
+            if outcome != "passed":
+                print(tail, file=sys.stderr)
+                print("error: the tests fail without a mutation; fix them first", file=sys.stderr)
+                return 2
+        rows = [run_mutant(m, copy, args) for m in chosen]
+    finally:
+        if args.keep:
+            print(f"kept {copy}")
+        else:
+            shutil.rmtree(copy, ignore_errors=True)
+    print_table(rows)
+    bad = [r for r in rows if not r[2].startswith("caught")]
+    print(f"\n{len(rows) - len(bad)} of {len(rows)} mutants caught" + (f"; not caught: {', '.join(r[0] for r in bad)}" if bad else ""))
+    return 1 if bad else 0
+
+
+def run_mutant(m: Mutant, copy: Path, args) -> tuple[str, str, str, float]:
+    path = copy / m.file
+    text = path.read_text()
+    found = text.count(m.original)
+    if found != 1:
+        why = "snippet not found (the code changed)" if found == 0 else f"snippet found {found} times"
+        print(f"{m.name}: error: {m.file}: {why}", flush=True)
+        return (m.name, " ".join(m.tests), f"error: {why}", 0.0)
+    path.write_text(text.replace(m.original, m.mutated))
+    try:
+        outcome, seconds, tail = run_tests(args.python, copy, m.tests, args.timeout, stop_first=True)
+    finally:
+        path.write_text(text)
+    result = {"failed": "caught", "timeout": "caught (timeout)", "passed": "SURVIVED"}.get(outcome, outcome)
+    print(f"{m.name}: {result} in {seconds:.0f} s", flush=True)
+    if result == "SURVIVED" or result.startswith("error"):
+        print(tail, flush=True)
+    return (m.name, " ".join(m.tests), result, seconds)
+
+
+def print_table(rows) -> None:
+    head = ("mutation", "tests", "result", "seconds")
+    body = [(name, tests, result, f"{s:.0f}") for name, tests, result, s in rows]
+    widths = [max(len(r[i]) for r in [head, *body]) for i in range(4)]
+    line = lambda r: "| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |"  # noqa: E731
+    print()
+    print(line(head))
+    print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    for r in body:
+        print(line(r))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
