@@ -272,3 +272,20 @@ def test_what_is_learnt_is_kept_per_sampling_regime():
     assert p.best == 0
     p.begin("greedy")  # back: what was learnt for greedy decoding is intact
     assert p.best == greedy_best and p.acceptance == greedy_acceptance
+
+
+def test_costs_are_learnt_per_context_range_and_acceptance_across():
+    """A verify pass that is cheap at short contexts and dear at long ones (attention grows): the policy
+    drafts at short contexts, re-measures when the context doubles past its range instead of trusting the
+    short-context costs, stops drafting there, and finds its short-context table again when it comes back."""
+    p = AdaptivePolicy(max_k=8)
+    p.at_context(500)
+    simulate(p, [0.6], 1000, base=1.2)
+    short_best, acceptance, short_costs = p.best, list(p.acceptance), dict(p.cost)
+    assert short_best > 0
+    p.at_context(9000)
+    assert p.cost == {} and p.acceptance == acceptance  # costs start afresh, acceptance is kept
+    simulate(p, [0.6], 1000, base=4.0)  # a verify pass costs 4 plain tokens here
+    assert p.best == 0
+    p.at_context(600)  # back: the short-context costs, intact; drafting pays there again
+    assert p.cost == short_costs and p.choose() > 0 and 3 in p._costs  # 9000 tokens: the range 8192-16383

@@ -211,6 +211,8 @@ class Engine:
             remaining = cfg.max_tokens - stats.generated
             member = members.next_member(drafter)  # who drafts this cycle (None: no one has a draft)
             policy = own.get(member, default)
+            if member is not None and hasattr(policy, "at_context"):  # costs are learnt per context range
+                policy.at_context(len(self.held.tokens))
             wanted = policy.next_k() if member is not None else 0
             k = self._draft_length(wanted, remaining)
             if k <= 0:

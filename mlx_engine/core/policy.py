@@ -30,9 +30,16 @@ stretch doubles while drafting keeps losing. A burst ends early once even the up
 its own acceptance loses to plain decoding, so a useless drafter costs a few cycles per stretch (a cycle
 that drafts in vain costs one verify pass for one token), while a drafter near break-even gets the whole
 burst, enough drafts to come back.
+
+Costs are kept per range of context length (`at_context`: one table below `context_bucket_from` tokens,
+then one per doubling): attention grows with the context, and on some devices a verify pass's cost
+relative to a plain step grows with it (this CPU: t(8)/t(1) ~1.6 at 1k tokens, ~3 at 8k). A conversation
+that grows into a new range re-measures its costs there (an optimistic burst and a plain stretch, as at
+the start) instead of trusting costs from shorter contexts; acceptance is kept across ranges.
 """
 
 import copy
+import math
 from dataclasses import dataclass, field
 
 from .estimates import add_verdict, expected_tokens, extrapolate, smoothed_acceptance, wilson_bound
@@ -70,7 +77,8 @@ class AdaptivePolicy:
     min_step_cost: float = 0.05  # extrapolated cycle costs grow by at least this many plain tokens per draft
     min_stretch: int = 16
     max_stretch: int = 512
-    cost: dict = field(default_factory=dict)  # k -> seconds per cycle (per token for k = 0)
+    context_bucket_from: int = 2048  # costs are learnt per context range: below this, then per doubling
+    cost: dict = field(default_factory=dict)  # k -> seconds per cycle (per token for k = 0), this context range
     acceptance: list = field(default_factory=list)  # conditional acceptance estimate per draft position
     hits: list = field(default_factory=list)  # decayed accepted counts per position
     tries: list = field(default_factory=list)  # decayed drafted counts per position
@@ -88,6 +96,8 @@ class AdaptivePolicy:
     _provisional: set = field(default_factory=set)  # lengths whose cost so far comes from an untimed cycle
     _since_probe: int = 0
     _up: bool = False
+    _bucket: int = 0  # the context range whose costs `cost` holds
+    _costs: dict = field(default_factory=dict)  # other context ranges' cost tables
     _regime: object = None  # the regime (sampling config) being learnt; others are kept in _learnt
     _learnt: dict = field(default_factory=dict)
 
@@ -182,6 +192,16 @@ class AdaptivePolicy:
             self._regime = regime
         self._untimed = True
 
+    def at_context(self, tokens: int) -> None:
+        """The cache holds `tokens` tokens: use (or start) the cost table of that context range."""
+        b = 0 if tokens < self.context_bucket_from else int(math.log2(tokens / self.context_bucket_from)) + 1
+        if b == self._bucket:
+            return
+        self._costs[self._bucket] = self.cost
+        self.cost = self._costs.pop(b, None) or {}
+        self._provisional = set()
+        self._bucket = b
+
     def for_member(self, **settings) -> "AdaptivePolicy":
         """A fresh policy with these settings but `settings` (max_k, bootstrap_k): a chain member's
         (core/members.py)."""
@@ -238,8 +258,8 @@ class AdaptivePolicy:
 
 # the settings of AdaptivePolicy (a new setting goes here; every other field is learnt state)
 _SETTINGS = ("max_k", "probe_every", "probe_cycles", "bootstrap_tokens", "bootstrap_cycles", "bootstrap_k", "smoothing",
-             "window",
-             "prior_acceptance", "prior_weight", "min_step_cost", "min_stretch", "max_stretch")
+             "window", "prior_acceptance", "prior_weight", "min_step_cost", "min_stretch", "max_stretch",
+             "context_bucket_from")
 
 
 def make_policy(num_draft: int | str, max_k: int = 8):
