@@ -159,7 +159,7 @@ class FairQueueWorker(WorkerBase):
             self.fail(job, e)
         finally:
             self.running, self.current = 0, None
-            self.kv_bytes = getattr(self.engine, "kv_bytes", lambda: 0)()  # Engine.kv_bytes() is on its way (lead)
+            self.kv_bytes = self.engine.kv_bytes()
 
     def abort_running(self, message: str) -> None:
         if self.current is not None:
