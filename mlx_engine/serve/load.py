@@ -87,7 +87,8 @@ class Phase:
     def _client(self, t0: float) -> None:
         import openai
 
-        client = openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0, timeout=600)
+        key = os.environ.get("MLX_ENGINE_API_KEY") or "none"  # the servers it starts read the same variable
+        client = openai.OpenAI(base_url=self.url + "/v1", api_key=key, max_retries=0, timeout=600)
         while (i := self._next(t0)) is not None:
             extra = {"num_draft": self.num_draft} if self.num_draft is not None else None
             start = time.perf_counter()
