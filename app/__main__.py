@@ -9,6 +9,7 @@ import math
 
 import mlx_engine  # noqa: F401  (OpenBLAS before mlx)
 from mlx_engine.args import ArgumentParser, count
+from mlx_engine.cli import add_memory_args
 
 from .settings import DRAFTERS, Settings, settings_path
 
@@ -47,6 +48,9 @@ def parser() -> argparse.ArgumentParser:
                    help="tokens drafted per cycle (1..16), or 'auto' (default: saved setting, else auto)")
     p.add_argument("--temp", type=temp_arg, help="sampling temperature (default: saved setting, else 0 = greedy)")
     p.add_argument("--max-tokens", type=count(1), help="tokens per answer at most (default: saved setting, else 1024)")
+    p.add_argument("--mtp-weights", help="the MTP head for an mtp drafter (ngram+mtp, mtp): a safetensors file, a folder "
+                                        "with an index + head shards, or hub:OWNER/NAME (only the head's shards fetched)")
+    add_memory_args(p)
     p.add_argument("--no-save", action="store_true", help="do not write settings.json")
     p.add_argument("--reset", action="store_true", help="ignore the saved settings (start from the defaults)")
     return p
@@ -54,14 +58,22 @@ def parser() -> argparse.ArgumentParser:
 
 def build_app(argv=None):
     from .app import AppOptions, ChatApp
+    from .worker import EngineOptions
 
     args = parser().parse_args(argv)
+    if args.mtp_weights and args.drafter is not None and not args.drafter.endswith("mtp"):
+        parser().error(f"--mtp-weights goes with an mtp drafter (mtp, ngram+mtp), not --drafter {args.drafter}")
     for flag, kind in (("dflash", "dflash"), ("assistant", "gemma4-assistant")):  # one path field per drafter
         if getattr(args, flag):
             if args.draft_model or (args.drafter not in (None, kind)):
                 parser().error(f"--{flag} goes with --drafter {kind} only (and without --draft-model)")
             args.drafter, args.draft_model = kind, getattr(args, flag)
+    if args.mtp_weights:  # the one path field of the mtp kinds
+        args.draft_model = args.mtp_weights
+        args.drafter = args.drafter or "ngram+mtp"
     settings = Settings() if args.reset else Settings.load(settings_path())
+    if args.drafter is not None and args.drafter != settings.drafter and args.draft_model is None:
+        settings.draft_model = None  # a path saved for another kind of drafter is not this one's
     given = {"drafter": args.drafter or (args.draft_model and "draft"), "draft_model": args.draft_model,
              "num_draft": args.num_draft, "temperature": args.temp, "max_tokens": args.max_tokens}
     settings.restored = {k: v for k, v in settings.restored.items() if given.get(k) is None}  # overridden here
@@ -78,7 +90,9 @@ def build_app(argv=None):
     if args.max_tokens is not None:
         settings.max_tokens = max(1, args.max_tokens)
     settings.__post_init__()
-    return ChatApp(settings, AppOptions(model=args.model, save_settings=not args.no_save))
+    engine = EngineOptions(kv_bits=args.kv_bits, kv_group_size=args.kv_group_size, draft_kv_bits=args.draft_kv_bits,
+                           max_memory=args.max_memory)
+    return ChatApp(settings, AppOptions(model=args.model, save_settings=not args.no_save, engine=engine))
 
 
 def main(argv=None) -> None:

@@ -6,7 +6,7 @@ context window is refused with a message before anything is sent to the engine; 
 prefill as a progress bar, and Esc stops it between two chunks.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from textual.app import App, ComposeResult
 from textual.binding import Binding
@@ -22,7 +22,7 @@ from .screens import OpenModelScreen
 from .settings import Settings
 from .speedup import SpeedupPairs
 from .widgets import AssistantMessage, LoadingPanel, StatsPanel, SystemMessage, UserMessage
-from .worker import EngineWorker, GenerateRequest, LoadRequest
+from .worker import EngineOptions, EngineWorker, GenerateRequest, LoadRequest
 
 REASONS = {"stopped": "stopped", "eos": "", "max_tokens": "max tokens reached", "error": "error"}
 
@@ -31,6 +31,7 @@ REASONS = {"stopped": "stopped", "eos": "", "max_tokens": "max tokens reached", 
 class AppOptions:
     model: str | None = None  # None = the embedded default model
     save_settings: bool = True
+    engine: EngineOptions = field(default_factory=EngineOptions)  # KV caches and the memory budget
 
 
 class ChatApp(Controls, App):
@@ -78,7 +79,7 @@ class ChatApp(Controls, App):
         super().__init__()
         self.settings = settings or Settings()
         self.options = options or AppOptions()
-        self.worker_thread = EngineWorker(self.post_message, interval=interval)
+        self.worker_thread = EngineWorker(self.post_message, interval=interval, options=self.options.engine)
         self.model_source = self.options.model
         self.model_name: str | None = None
         self.drafter_name = "none"

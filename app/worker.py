@@ -17,6 +17,8 @@ import mlx_engine  # noqa: F401  (OpenBLAS before mlx)
 import mlx.core as mx
 from mlx_engine import Engine, GenerationConfig, ModelLoadError, NgramDrafter, SamplingConfig
 from mlx_engine.core.context import ContextLengthError, check_context
+from mlx_engine.core.memory import MemoryBudgetError, plan
+from mlx_engine.drafters.base import quantize_kv
 from mlx_engine.drafters.registry import DrafterOptions, make_drafter
 from mlx_engine.models import load as load_model
 
@@ -99,6 +101,16 @@ def model_name(path_or_repo: str) -> str:
 
 
 @dataclass
+class EngineOptions:
+    """How the engine holds its caches, for the whole run (the chat's --kv-bits, --draft-kv-bits, --max-memory)."""
+
+    kv_bits: int | None = None
+    kv_group_size: int = 64
+    draft_kv_bits: int | None = None
+    max_memory: int | None = None  # bytes; None: MLX's memory limit
+
+
+@dataclass
 class LoadRequest:
     model: str | None  # None = the embedded default
     drafter: str = "ngram"
@@ -116,8 +128,10 @@ class GenerateRequest:
 class EngineWorker:
     """Owns the model in one thread. `post` delivers messages to the UI (App.post_message)."""
 
-    def __init__(self, post: Callable, interval: float = 0.1, profile_every: int = 8):
+    def __init__(self, post: Callable, interval: float = 0.1, profile_every: int = 8,
+                 options: EngineOptions | None = None):
         self.post = post
+        self.options = options or EngineOptions()
         self.interval = interval
         self.profile_every = profile_every
         self._queue: queue.Queue = queue.Queue()
@@ -219,8 +233,17 @@ class EngineWorker:
             self.post(ModelLoadFailed(f"the model loaded but could not run: {type(e).__name__}: {e}"))
             return
         context = loaded.context_length
-        # built with its drafter (the policy gets the drafter's settings) and the context window it checks
-        engine = Engine(loaded.model, drafter, context_length=context)
+        o = self.options
+        why_not = quantize_kv(drafter, o.draft_kv_bits, o.kv_group_size)
+        if why_not and o.draft_kv_bits is not None:
+            warning = (warning + "; " if warning else "") + f"--draft-kv-bits not applied: {why_not}"
+        try:  # built with its drafter (the policy gets the drafter's settings), the context window and memory it checks
+            engine = Engine(loaded.model, drafter, context_length=context, kv_bits=o.kv_bits, kv_group_size=o.kv_group_size)
+            engine.memory = plan(loaded.model, drafter, engine.target, o.max_memory, what=model_name(str(path)))
+            engine.memory.check_load()
+        except ValueError as e:  # a KV quantization the model cannot take, weights over the memory budget
+            self.post(ModelLoadFailed(str(e)))
+            return
         self.loaded, self.engine, self.drafter, self.context_length = loaded, engine, drafter, context
         info = f"{loaded.config.get('model_type', '?')}, vocab {engine.target.vocab_size}" + (
             f", context {context:,} tokens" if context else "")
@@ -259,9 +282,11 @@ class EngineWorker:
         except Exception as e:
             self.post(GenerationFinished(req.turn, "", "error", empty, f"chat template failed: {e}"))
             return
-        try:  # before any work: a prompt the context window cannot hold is never sent to the engine
+        try:  # before any work: a prompt the context window or the memory budget cannot hold is never sent
             check_context(len(prompt), req.max_tokens, self.context_length)
-        except ContextLengthError as e:
+            if engine.memory is not None:
+                engine.memory.check_sequence(len(prompt) + req.max_tokens)
+        except (ContextLengthError, MemoryBudgetError) as e:
             self.post(GenerationFinished(req.turn, "", "context", empty, str(e)))
             return
         eos = frozenset(getattr(tokenizer, "eos_token_ids", None) or [])

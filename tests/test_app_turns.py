@@ -217,3 +217,37 @@ async def test_a_long_prefill_shows_progress_and_esc_stops_it_within_one_chunk(t
         await until(pilot, lambda: not app.generating and app.current is None, timeout=30)
         panel = app.query_one("StatsPanel")
         assert panel.snapshot.reprefill <= total - done + 1 and app.history[-1]["role"] == "assistant"
+
+
+# -- memory: --kv-bits, --max-memory -----------------------------------------------------------------
+@pytest.mark.anyio
+async def test_kv_bits_that_the_model_cannot_take_fail_the_load_with_the_reason(tiny_model):
+    app = make_app("--model", str(tiny_model), "--drafter", "ngram", "--kv-bits", "4", "--no-save")  # head dim 12
+    async with app.run_test(size=(120, 40)) as pilot:
+        await until(pilot, lambda: bool(app.query(".error")))
+        (err,) = texts(app, ".error")
+        assert "cannot be quantized to 4 bits in groups of 64" in err, err
+
+
+@pytest.mark.anyio
+async def test_a_message_over_the_memory_budget_is_not_sent(tiny_model):
+    from mlx_engine.core.memory import plan
+    from mlx_engine.models import load
+    from mlx_engine.target.model import Target
+
+    m = load(str(tiny_model))
+    b = plan(m.model, None, Target(m.model))
+    budget = b.base + 60 * b.kv_per_token  # room for 60 positions beside the weights
+    app = make_app("--model", str(tiny_model), "--drafter", "ngram", "--max-tokens", "16", "--max-memory",
+                   str(budget), "--no-save")
+    async with app.run_test(size=(120, 40)) as pilot:
+        await loaded(pilot, app)
+        await send(pilot, "the quick brown fox jumps over the lazy dog " * 8)
+        await until(pilot, lambda: not app.generating and bool(app.query(".error")))
+        (err,) = texts(app, ".error")
+        assert "KV cache" in err and "--max-memory" in err and not app.query("AssistantMessage"), err
+        await app.query_one(".error").remove()
+        app.query_one("#prompt").value = ""
+        await send(pilot, "hi")  # one that fits goes through
+        await until(pilot, lambda: not app.generating and app.current is None)
+        assert [m["role"] for m in app.history] == ["user", "assistant"]
