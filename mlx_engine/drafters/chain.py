@@ -1,5 +1,7 @@
-"""Drafter chains (`ngram+mtp`, `ngram+eagle3`): prompt lookup when the context has a match, the model
-drafter otherwise (llama.cpp's n-gram-before-MTP chain, its PR 23269).
+"""Drafter chains (`ngram+mtp`, `ngram+eagle3`, `suffix+mtp`): prompt lookup (or the suffix drafter,
+drafters/suffix.py) when the context has a match, the model drafter otherwise (llama.cpp's
+n-gram-before-MTP chain, its PR 23269). The lookup member is any drafter with `members`, `next_member()`,
+`match()` and `lookup(k)`; `self.ngram` holds it, whichever it is.
 
 Each cycle's member ("ngram" or the model drafter's name) is known before the engine picks k
 (`next_member`), so the engine keeps one draft-length policy per member: the n-gram drafts long where the
@@ -28,16 +30,17 @@ from .ngram import NgramDrafter
 class ChainDrafter:
     needs_hidden: bool
 
-    def __init__(self, model_drafter, ngram: NgramDrafter | None = None):
+    def __init__(self, model_drafter, ngram=None):
+        """ngram: the lookup member (default: prompt lookup, NgramDrafter)."""
         self.model = model_drafter
         self.ngram = ngram or NgramDrafter()
-        self.name = f"ngram+{model_drafter.name}"
+        self.name = f"{self.ngram.name}+{model_drafter.name}"
         self.members = {**self.ngram.members, model_drafter.name: model_drafter}  # the n-gram's match classes
         self.primary = model_drafter.name  # the member the engine's own policy serves (the others get theirs)
         self.needs_hidden = bool(getattr(model_drafter, "needs_hidden", False))
         if hasattr(model_drafter, "hidden_request"):
             self.hidden_request = model_drafter.hidden_request
-        self.cycles = {"ngram": 0, model_drafter.name: 0}  # which drafter drafted, per cycle
+        self.cycles = {self.ngram.name: 0, model_drafter.name: 0}  # which drafter drafted, per cycle
         self.last = None  # the member that drafted the last cycle
 
     def begin(self, tokens: list[int], hidden: mx.array | None) -> None:
@@ -50,8 +53,8 @@ class ChainDrafter:
         return feed(limit) if feed is not None else 0
 
     def next_member(self) -> str:
-        """Who drafts the next cycle: the n-gram when the context has a match ("ngram" or "ngram:long" by
-        its length), else the model drafter."""
+        """Who drafts the next cycle: the lookup member when the context has a match ("ngram" or
+        "ngram:long" by its length; "suffix" / "suffix:long"), else the model drafter."""
         return self.ngram.next_member() or self.model.name
 
     def propose(self, k: int, sampling: SamplingConfig, key: mx.array) -> Draft:
@@ -59,7 +62,7 @@ class ChainDrafter:
         found = self.ngram.lookup(k)
         if found:
             self.last = member
-            self.cycles["ngram"] += 1
+            self.cycles[self.ngram.name] += 1
             return Draft(mx.array(found, dtype=mx.int32), None, host_tokens=found)
         self.last = self.model.name
         self.cycles[self.model.name] += 1

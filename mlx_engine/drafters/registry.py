@@ -59,6 +59,12 @@ def _ngram(opts: DrafterOptions, loaded) -> Drafter:
     return NgramDrafter()
 
 
+def _suffix(opts: DrafterOptions, loaded) -> Drafter:
+    from .suffix import SuffixDrafter
+
+    return SuffixDrafter()  # over the process's shared suffix cache (drafters/suffix_cache.py)
+
+
 def _draft(opts: DrafterOptions, loaded) -> Drafter:
     from ..models import load
     from .draft_model import DraftModelDrafter
@@ -140,6 +146,7 @@ def _gemma4_assistant(opts: DrafterOptions, loaded) -> Drafter:
 
 BUILDERS: dict[str, Callable[[DrafterOptions, object], Drafter]] = {
     "ngram": _ngram,
+    "suffix": _suffix,
     "draft": _draft,
     "mtp": _mtp,
     "eagle3": _eagle3,
@@ -148,17 +155,17 @@ BUILDERS: dict[str, Callable[[DrafterOptions, object], Drafter]] = {
 }
 
 
-def _chain(model_kind: str) -> Callable[[DrafterOptions, object], Drafter]:
+def _chain(model_kind: str, lookup: str = "ngram") -> Callable[[DrafterOptions, object], Drafter]:
     def build(opts: DrafterOptions, loaded) -> Drafter:
         from .chain import ChainDrafter
 
-        return ChainDrafter(BUILDERS[model_kind](opts, loaded))
+        return ChainDrafter(BUILDERS[model_kind](opts, loaded), BUILDERS[lookup](opts, loaded))
 
     return build
 
 
-# chains: the n-gram draft when the context has a match, the model drafter otherwise (drafters/chain.py)
-CHAINS = {f"ngram+{m}": _chain(m) for m in ("mtp", "eagle3")}
+# chains: the n-gram (or suffix) draft when the context has a match, the model drafter otherwise (drafters/chain.py)
+CHAINS = {f"ngram+{m}": _chain(m) for m in ("mtp", "eagle3")} | {"suffix+mtp": _chain("mtp", "suffix")}
 BUILDERS.update(CHAINS)
 KINDS = ("none", *BUILDERS)
 
