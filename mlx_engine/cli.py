@@ -25,15 +25,20 @@ class UsageError(ValueError):
     """Bad input from the command line; reported as `error: ...` with exit status 2."""
 
 
-def size(text: str) -> int:
+def size(text: str, allow_zero: bool = False) -> int:
     """A memory size: 16GB, 512MiB, 1.5g or bytes."""
     try:
-        return parse_size(text)
+        return parse_size(text, allow_zero)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-size.__name__ = "size"
+def size_or_zero(text: str) -> int:
+    """A memory size, or 0 (off)."""
+    return size(text, allow_zero=True)
+
+
+size.__name__ = size_or_zero.__name__ = "size"
 
 
 def add_memory_args(p: argparse.ArgumentParser, prefix_cache: bool = False) -> None:
@@ -51,7 +56,7 @@ def add_memory_args(p: argparse.ArgumentParser, prefix_cache: bool = False) -> N
                    help="memory budget for weights + KV caches, e.g. 12GB (default: MLX's memory limit for this "
                         "device); what does not fit is refused with a message instead of swapping")
     if prefix_cache:
-        p.add_argument("--prefix-cache", type=size, default=None, metavar="SIZE",
+        p.add_argument("--prefix-cache", type=size_or_zero, default=None, metavar="SIZE",
                        help="memory for cached prompt prefixes shared across requests (default: a tenth of the "
                             "memory budget; 0 = off)")
 

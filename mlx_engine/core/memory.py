@@ -24,13 +24,13 @@ class MemoryBudgetError(ValueError):
     """What was asked for does not fit the memory budget; the message says how much and what to change."""
 
 
-def parse_size(text: str) -> int:
-    """'24GB', '512MiB', '1.5g', '1000000' -> bytes."""
+def parse_size(text: str, allow_zero: bool = False) -> int:
+    """'24GB', '512MiB', '1.5g', '1000000' -> bytes (0 only where allow_zero: a feature turned off)."""
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
     if not m or m.group(2).lower() not in _UNITS:
         raise ValueError(f"expected a size such as 16GB, 512MiB or a number of bytes, got {text!r}")
     value = float(m.group(1)) * _UNITS[m.group(2).lower()]
-    if value <= 0:
+    if value < 0 or (value == 0 and not allow_zero):
         raise ValueError(f"a memory budget must be > 0, got {text!r}")
     return int(value)
 

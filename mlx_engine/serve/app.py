@@ -35,6 +35,7 @@ class Service:
     default_max_tokens: int = 512
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     api_key: str | None = None
+    memory: object = None  # core.memory.MemoryBudget: a request whose KV cache can never fit is refused here
 
 
 def create_app(service: Service) -> FastAPI:
@@ -81,6 +82,11 @@ def create_app(service: Service) -> FastAPI:
             raise APIError(400, f"this model's maximum context length is {service.context_length} tokens; the prompt "
                                 f"has {len(prompt)} and max_tokens asks for {max_tokens} more",
                            param="max_tokens", code="context_length_exceeded")
+        if service.memory is not None:
+            try:
+                service.memory.check_sequence(len(prompt) + max_tokens)
+            except ValueError as e:
+                raise APIError(400, str(e), param="max_tokens", code="memory_budget_exceeded") from None
         try:
             sampling = body.sampling()
         except ValueError as e:

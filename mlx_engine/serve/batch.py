@@ -19,10 +19,14 @@ class BatchWorker(WorkerBase):
         self.drafter_name = drafter_name or "none"
         self.active: dict[int, Output] = {}
         self.closing: dict[int, str] = {}  # sequences this side ended -> why ("stop": a stop string; "cancelled")
+        self._held = None  # the next job, waiting for memory to free (BatchEngine.can_admit)
         self.largest_batch = 0
 
     def status(self) -> dict:
+        tree = self.engine.prefix_cache
         return {**super().status(), "max_batch": self.engine.max_batch, "largest_batch": self.largest_batch,
+                "prefix_cache": tree.status() if tree is not None else None,
+                "waiting_for_memory": self._held is not None,
                 "step_costs": {str(b): {str(k): round(t, 4) for k, t in c.items()}
                                for b, c in self.engine.policy.costs().items()}}
 
@@ -55,10 +59,16 @@ class BatchWorker(WorkerBase):
 
     def _admit(self) -> None:
         while self.engine.free_slots() > 0:
-            job = self.next_job(None if self.active else 0.1)  # idle: wait a little for work
+            job, self._held = self._held, None
+            if job is not None and job.cancelled:
+                job = None
+            job = job or self.next_job(None if self.active else 0.1)  # idle: wait a little for work
             if job is None:
                 return
             req = job.request
+            if self.active and not self.engine.can_admit(len(req.prompt), req.max_tokens):
+                self._held = job  # its KV cache does not fit beside the running ones: first in when one ends
+                return
             try:
                 # a request's num_draft caps its own row's k; the batch's policy chooses within it
                 self.engine.add(job.id, req.prompt, req.max_tokens, req.sampling, req.seed, self.eos, req.num_draft)

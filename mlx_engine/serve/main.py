@@ -11,6 +11,7 @@ from pathlib import Path
 
 from ..args import count, finite
 from ..drafters import registry
+from ..drafters.base import quantize_kv
 from ..drafters.registry import DrafterError, DrafterOptions
 from .intake import DEFAULT_MAX_BODY_BYTES
 
@@ -48,6 +49,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batching", choices=BATCHING, default="auto",
                    help="continuous: batch concurrent requests (KV-cache models); fair: one at a time, first come "
                         "first served (any model); auto (default): continuous where the model allows")
+    from ..cli import add_memory_args
+
+    add_memory_args(p, prefix_cache=True)
     p.add_argument("--batch-invariant", nargs="?", const="kernels", default=None, choices=("kernels", "fixed", "off"),
                    metavar="MODE",
                    help="every decode step batch invariant, so each request's tokens equal, bit for bit, the same "
@@ -57,16 +61,15 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
 
 
 def context_length(config: dict) -> int:
-    for key in ("max_position_embeddings", "max_sequence_length", "n_positions", "seq_length"):
-        value = (config.get("text_config") or {}).get(key) or config.get(key)
-        if value:
-            return int(value)
-    return 4096
+    """The model's context window (models.context_length), 4096 where its config names none."""
+    from ..models.config import context_length as named
+
+    return named(config) or 4096
 
 
 def build_service(args):
     """Load, pick the worker, warm up. -> Service (its worker not yet started)."""
-    from ..cli import UsageError, parse_num_draft
+    from ..cli import UsageError, load_within_budget, parse_num_draft
     from ..core.engine import Engine
     from ..models import load
     from .app import Service
@@ -77,7 +80,7 @@ def build_service(args):
     if invariant == "fixed" and args.batching != "fair":
         raise UsageError("--batch-invariant fixed pads one sequence per pass: use it with --batching fair, "
                          "or --batch-invariant kernels with continuous batching")
-    loaded = load(args.model)
+    loaded = load_within_budget(args.model, args.max_memory)
     kind = args.drafter or ("mtp" if args.model is None else "none")
     opts = DrafterOptions(draft_model=args.draft_model, draft_vocab_subset=args.draft_vocab_subset,
                           mtp_weights=args.mtp_weights, dflash=getattr(args, "dflash", None),
@@ -86,14 +89,26 @@ def build_service(args):
         drafter = registry.make_drafter(kind, loaded, opts)
     except DrafterError as e:
         raise UsageError(str(e)) from None
+    why_not = quantize_kv(drafter, args.draft_kv_bits, args.kv_group_size)
+    if why_not and args.draft_kv_bits is not None:
+        raise UsageError(f"--draft-kv-bits: {why_not}")
+    try:
+        budget, tree = memory_plan(loaded, drafter, args)
+    except ValueError as e:  # a KV quantization the model cannot take, weights over the budget
+        raise UsageError(str(e)) from None
+    memory = dict(kv_bits=args.kv_bits, kv_group_size=args.kv_group_size, context_length=context_length(loaded.config),
+                  memory=budget, prefix_cache_bytes=tree)
     common = dict(max_queue=args.max_queue, num_draft=num_draft)
     worker = None
     if args.batching != "fair":
         from ..core.batch_engine import BatchEngine
         from .batch import BatchWorker
 
-        engine = BatchEngine(loaded.model, drafter, num_draft=num_draft, max_batch=args.max_concurrency,
-                             batch_invariant=invariant)
+        try:
+            engine = BatchEngine(loaded.model, drafter, num_draft=num_draft, max_batch=args.max_concurrency,
+                                 batch_invariant=invariant, **memory)
+        except ValueError as e:  # e.g. batch invariance with a quantized KV cache
+            raise UsageError(str(e)) from None
         if engine.supported is None:
             worker = BatchWorker(engine, loaded.tokenizer, drafter.name if drafter is not None else None, **common)
         elif args.batching == "continuous":
@@ -102,15 +117,36 @@ def build_service(args):
             print(f"note: serving one request at a time (fair queue): this model cannot be batched yet "
                   f"({engine.supported})", file=sys.stderr)
     if worker is None:
-        worker = FairQueueWorker(Engine(loaded.model, drafter, batch_invariant=invariant), loaded.tokenizer, **common)
+        try:
+            engine = Engine(loaded.model, drafter, batch_invariant=invariant, **memory)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+        worker = FairQueueWorker(engine, loaded.tokenizer, **common)
     name = Path(str(loaded.path)).name
     if name.endswith(".gguf"):
         name = name[: -len(".gguf")]
     engine_vocab = int((loaded.config.get("text_config") or loaded.config).get("vocab_size", 0)) or len(
         loaded.tokenizer.get_vocab())
     service = Service(name, loaded.tokenizer, context_length(loaded.config), engine_vocab, worker, args.max_tokens,
-                      max_body_bytes=args.max_body_bytes, api_key=args.api_key)
+                      max_body_bytes=args.max_body_bytes, api_key=args.api_key, memory=budget)
     return service, kind
+
+
+def memory_plan(loaded, drafter, args):
+    """The memory budget (core/memory.py), checked against the weights and the prefix tree's share (--prefix-cache,
+    default a tenth of the budget). -> (budget, bytes for the prefix tree)."""
+    from ..core.memory import device_memory, plan
+    from ..target.cache import check_kv_quantization
+    from ..target.model import Target
+
+    check_kv_quantization(args.kv_bits, args.kv_group_size)
+    limit = args.max_memory or device_memory()
+    tree = args.prefix_cache if args.prefix_cache is not None else limit // 10
+    target = Target(loaded.model, args.kv_bits, args.kv_group_size)
+    target.check_cache()
+    budget = plan(loaded.model, drafter, target, limit, reserved=tree, what=Path(str(loaded.path)).name)
+    budget.check_load()
+    return budget, tree
 
 
 def make_server(service, args, port: int):
