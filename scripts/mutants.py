@@ -135,7 +135,8 @@ def check_imports(python: str, copy: Path) -> None:
     out = subprocess.run([python, "-c", code], cwd=copy, env=environment(copy), capture_output=True, text=True)
     paths = out.stdout.split()
     if out.returncode != 0 or not paths or not all(Path(p).resolve().is_relative_to(copy.resolve()) for p in paths):
-        raise SystemExit(f"error: the copy's packages are not the ones imported: {out.stdout.strip() or out.stderr.strip()}")
+        got = out.stdout.strip() or out.stderr.strip()
+        raise SystemExit(f"error: the copy's packages are not the ones imported: {got}")
 
 
 def run_tests(python: str, copy: Path, args: tuple[str, ...], timeout: float, stop_first: bool):
@@ -151,12 +152,14 @@ def run_tests(python: str, copy: Path, args: tuple[str, ...], timeout: float, st
         out, _ = proc.communicate()
         return "timeout", time.perf_counter() - t, out[-2000:]
     seconds = time.perf_counter() - t
-    outcome = {0: "passed", 1: "failed", 2: "failed"}.get(proc.returncode, f"error: pytest exit status {proc.returncode}")
+    outcome = {0: "passed", 1: "failed", 2: "failed"}.get(
+        proc.returncode, f"error: pytest exit status {proc.returncode}")
     return outcome, seconds, out[-2000:]
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--only", action="append", default=[], metavar="NAME", help="run only this mutant (repeatable)")
     p.add_argument("--list", action="store_true", help="list the mutants and exit")
     p.add_argument("--python", default=str(REPO / ".venv" / "bin" / "python"), help="the interpreter (default .venv)")
@@ -197,7 +200,8 @@ def main(argv=None) -> int:
             shutil.rmtree(copy, ignore_errors=True)
     print_table(rows)
     bad = [r for r in rows if not r[2].startswith("caught")]
-    print(f"\n{len(rows) - len(bad)} of {len(rows)} mutants caught" + (f"; not caught: {', '.join(r[0] for r in bad)}" if bad else ""))
+    missed = f"; not caught: {', '.join(r[0] for r in bad)}" if bad else ""
+    print(f"\n{len(rows) - len(bad)} of {len(rows)} mutants caught{missed}")
     return 1 if bad else 0
 
 

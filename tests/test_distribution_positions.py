@@ -74,7 +74,8 @@ def test_sampler_chain_equals_the_definitions(cfg):
         got = np.array(probabilities(process_logits(mx.array(logits), mx.array(context), cfg), cfg))
         for i in range(n):
             want = distribution_of(cfg, logits[i], context[: C + i])
-            assert np.array_equal(got[i] > 0, want > 0), f"row {i}: kept {np.flatnonzero(got[i])}, want {np.flatnonzero(want)}"
+            kept, wanted = np.flatnonzero(got[i]), np.flatnonzero(want)
+            assert np.array_equal(kept, wanted), f"row {i}: kept {kept}, want {wanted}"
             np.testing.assert_allclose(got[i], want, rtol=1e-4, atol=1e-6, err_msg=f"row {i}")
 
 
@@ -230,7 +231,8 @@ def assert_every_position_follows_target(engine, model, cfg, k=4, runs=400, max_
 ENGINE_CASES = {  # name: (drafter kind, sampling, k)
     "other model, temperature 0.6": ("other", SamplingConfig(temperature=0.6), 4),
     "noisy copy, top-k 3, temperature 0.7": ("noisy", SamplingConfig(temperature=0.7, top_k=3), 4),
-    "noisy copy, min-p + repetition penalty": ("noisy", SamplingConfig(temperature=1.0, min_p=0.1, repetition_penalty=1.5), 4),
+    "noisy copy, min-p + repetition penalty":
+        ("noisy", SamplingConfig(temperature=1.0, min_p=0.1, repetition_penalty=1.5), 4),
     "ngram, top-p 0.8": ("ngram", SamplingConfig(temperature=1.0, top_p=0.8), 2),
 }
 

@@ -3,7 +3,8 @@
 A verify pass scores [last, d_1..d_k]; row i must be penalised with the committed history plus
 d_1..d_i, exactly as plain decoding penalises the step that follows d_i. The reference is mlx-lm's own
 generate_step with its `make_repetition_penalty` logits processor (the history is the prompt + every
-generated token, the last `CONTEXT` of them counted), not the engine. Drafters that agree with the target
+generated token, the last `CONTEXT` of them counted), not the engine. Every kind: a draft model, n-gram and
+suffix lookup, MTP, EAGLE-3, DFlash, Gemma 4's assistant, chains. Drafters that agree with the target
 (the target as its own draft, oracle heads that read the full target, the echo assistant) get drafts
 accepted at deep positions, where a row penalised without the earlier drafts would pick another token.
 """
@@ -27,6 +28,8 @@ from mlx_engine.drafters.dflash import DFlashDrafter, load_dflash
 from mlx_engine.drafters.eagle3 import load_eagle3_drafter
 from mlx_engine.drafters.gemma4_assistant import Gemma4AssistantDrafter, load_assistant
 from mlx_engine.drafters.mtp import load_head, load_mtp_drafter
+from mlx_engine.drafters.suffix import SuffixDrafter
+from mlx_engine.drafters.suffix_cache import SuffixCache
 from sampling_reference import penalize
 from test_eagle3 import OracleEagle3
 from test_greedy_equality import noisy_copy
@@ -71,14 +74,16 @@ def llama():
 
 
 @pytest.mark.parametrize("k", [1, 3, 6])
-@pytest.mark.parametrize("kind", ["self", "noisy", "ngram"])
-def test_draft_model_and_ngram(kind, k):
+@pytest.mark.parametrize("kind", ["self", "noisy", "ngram", "suffix"])
+def test_draft_model_and_lookup(kind, k):
     model = llama()
     if kind == "ngram":
         drafter = NgramDrafter(min_ngram=1)
+    elif kind == "suffix":
+        drafter = SuffixDrafter(SuffixCache(), min_match=1)
     else:
         drafter = DraftModelDrafter(model if kind == "self" else noisy_copy("llama", 0.01), tiny_models.VOCAB)
-    check(model, drafter, k, deep=(kind != "ngram" and k > 1))
+    check(model, drafter, k, deep=(kind in ("self", "noisy") and k > 1))
 
 
 def test_plain_decoding_through_the_engine_equals_mlx_lm():
@@ -160,4 +165,5 @@ def test_chains(qwen3_5_mtp, llama6_eagle3, k):
     model, folder = llama6_eagle3
     check(model, ChainDrafter(oracle_eagle3(model, folder), NgramDrafter(min_ngram=1)), k)
     model, folder, config = qwen3_5_mtp
-    check(model, ChainDrafter(OracleMTP(load_head(model, folder, config), model), NgramDrafter(min_ngram=1)), k)
+    for lookup in (NgramDrafter(min_ngram=1), SuffixDrafter(SuffixCache(), min_match=1)):
+        check(model, ChainDrafter(OracleMTP(load_head(model, folder, config), model), lookup), k)

@@ -106,4 +106,5 @@ def collections_of(texts, want) -> list:
     """(text, observed, expected) of the most frequent texts, for the failure message."""
     n = len(texts)
     counts = {t: texts.count(t) for t in set(texts)}
-    return [(t, counts.get(t, 0), round(p * n, 1)) for t, p in itertools.islice(sorted(want.items(), key=lambda x: -x[1]), 12)]
+    top = itertools.islice(sorted(want.items(), key=lambda x: -x[1]), 12)
+    return [(t, counts.get(t, 0), round(p * n, 1)) for t, p in top]
