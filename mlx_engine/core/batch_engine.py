@@ -197,8 +197,8 @@ class BatchEngine:
             if not self._first_token(p, logits, outputs):
                 return
         if p.drafter is None or self.prefills.drafter_chunk(p, budget):
-            self.prefills.remove(p, keep_fed=False)
             self._join(p)
+            self.prefills.remove(p)  # its prompt's entries go to the prefix tree (the cache is now the batch's copy)
 
     def _first_token(self, p: Prefilling, logits, outputs: list[Output]) -> bool:
         """Sample p's first token and hand it out; begin its drafter. False when that token ends it."""
@@ -211,9 +211,8 @@ class BatchEngine:
         p.sampled = True
         hidden = mx.concatenate(p.hidden) if self.want_hidden else None
         p.hidden = [hidden] if hidden is not None else []
-        self.prefills.remember(s.prompt, p.cache, p.hidden)  # later prompts that share it start from it
         if first in s.stop_tokens or s.max_tokens == 1:
-            self.prefills.remove(p, keep_fed=False)
+            self.prefills.remove(p)  # its prompt's entries go to the prefix tree
             outputs.append(Output(s.id, [first], "stop" if first in s.stop_tokens else "length",
                                   s.stats(self.num_draft)))
             return False

@@ -80,12 +80,14 @@ class PrefillQueue:
         p.done = p.reused = p.seq.reused = hit.n
 
     def remove(self, p: Prefilling, keep_fed: bool = True) -> None:
+        """p leaves the queue; keep_fed: what it fed goes to the prefix tree (its cache is handed over)."""
         self.waiting.remove(p)
         if keep_fed:
             self.remember(p.seq.prompt[: p.done], p.cache, p.hidden)
 
     def remember(self, tokens: list[int], cache: list, hidden: list) -> None:
-        """Store a single-sequence cache's first len(tokens) positions in the prefix tree."""
+        """Store a single-sequence cache's first len(tokens) positions in the prefix tree. The cache is handed
+        over (never written again), so the tree keeps views of it: no copy."""
         n = len(tokens)
         if self.tree is None or n == 0:
             return
@@ -94,7 +96,7 @@ class PrefillQueue:
             if sum(h.shape[0] for h in hidden) < n:
                 return
             rows = mx.concatenate(hidden)[:n] if len(hidden) > 1 else hidden[0][:n]
-        self.tree.insert(tokens, prefix_ops.layer_states(cache, n), rows)
+        self.tree.insert(tokens, prefix_ops.layer_states(cache, n), rows, copy=False)
 
     def status(self) -> list[dict]:
         return [{"id": p.seq.id, "done": p.done, "total": p.total, "stage": "drafter" if p.sampled else "target"}

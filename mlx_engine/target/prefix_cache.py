@@ -31,6 +31,11 @@ def _slice(state, start: int, end: int | None = None):
     return tree_map(lambda a: mx.contiguous(a[..., start:end, :]), state)
 
 
+def _view(state, start: int, end: int | None = None):
+    """Positions start..end of every array in a layer's state, as views (no copy)."""
+    return tree_map(lambda a: a[..., start:end, :], state)
+
+
 def _concat(states: list):
     """Layer states of consecutive runs of tokens, joined along the token axis."""
     if len(states) == 1:
@@ -143,10 +148,11 @@ class PrefixCache:
         return Hit(n, layers, hidden)
 
     # -- writing -----------------------------------------------------------------------------------------
-    def insert(self, tokens: list[int], layers: list, hidden: mx.array | None = None) -> int:
+    def insert(self, tokens: list[int], layers: list, hidden: mx.array | None = None, copy: bool = True) -> int:
         """Store the entries of `tokens` (layers: per layer, a state holding at least len(tokens) positions,
         e.g. layer_states(cache, n); hidden: their hidden rows when the tree keeps them). Only the part not
-        cached yet is copied. Returns the tokens newly stored."""
+        cached yet is stored: copied, or with copy=False kept as views of the caller's arrays (a cache it
+        hands over and will not write again: no copy, no wait). Returns the tokens newly stored."""
         if self.with_hidden and hidden is None:
             raise ValueError("this prefix cache keeps hidden rows: insert needs them")
         path = self._walk(tokens)
@@ -159,12 +165,14 @@ class PrefixCache:
             node, pos = child, pos + m
         if pos >= len(tokens):
             return 0
-        new = _Node(list(tokens[pos:]), [_slice(s, pos, len(tokens)) for s in layers],
-                    mx.contiguous(hidden[pos : len(tokens)]) if self.with_hidden else None, node)
+        cut = _slice if copy else _view
+        new = _Node(list(tokens[pos:]), [cut(s, pos, len(tokens)) for s in layers],
+                    cut(hidden[None, None], pos, len(tokens))[0, 0] if self.with_hidden else None, node)
         new.used = self._tick
         node.children[tokens[pos]] = new
         self.nbytes += new.nbytes
-        host.wait(new.layers, *([new.hidden] if new.hidden is not None else []))  # copy now: the source moves on
+        if copy:  # copy now: the source moves on
+            host.wait(new.layers, *([new.hidden] if new.hidden is not None else []))
         self._evict(keep=new)
         return len(tokens) - pos
 
