@@ -5,7 +5,7 @@ the acceptance rule picks a prefix and the next token on device, and a single ho
 `[n_accepted, t_0..t_k]`. Then `_commit` rolls the target cache back to the kept prefix (the one place
 that bookkeeping happens) and the drafter advances. When the draft policy picks k = 0, or no member of
 the drafter has a draft (core/members.py), a stretch of tokens is decoded plainly, pipelined as in
-mlx-lm, with the drafter kept in step.
+mlx-lm, with the drafter kept in step. A drafter that drafts token trees gets core/tree_verify.py's cycle.
 
 State between cycles: the target cache holds every committed token except `_last` (sampled, not yet
 fed) and `_replay` (kept tokens a cache without per-token states, e.g. a wrapped rotating window, must
@@ -35,6 +35,7 @@ from ..sampling import SamplingConfig, probabilities, process_logits
 from .stats import SpecStats
 from ..target.model import Target
 from ..target.prefix_cache import PrefixCache
+from .tree_verify import Trees
 from .verify import accept_greedy, accept_sampled
 
 
@@ -117,6 +118,7 @@ class Engine:
         tree = prefix_tree or (PrefixCache(prefix_cache_bytes, with_hidden=hidden_request(drafter) is not None)
                                if prefix_cache_bytes > 0 else None)
         self.held = HeldCache(self.target, tree)  # the target cache and exactly the tokens it holds
+        self.trees = Trees(self)  # token-tree drafts (core/tree_verify.py); `trees.off` says why not
 
     @property
     def cache(self) -> list:
@@ -236,11 +238,14 @@ class Engine:
             profile = cfg.profile_every > 0 and stats.cycles % cfg.profile_every == 0
             draft_key, dkey = mx.random.split(draft_key)
             self._feed_replay(want_hidden)  # before the drafter (it may read the target cache) and the checkpoint
-            draft = self._propose(k, sampling, dkey, profile)
-            k = draft.tokens.shape[0]
-            ckpt, logits, hidden = self._verify(draft, want_hidden, profile)
-            verdict, drafted, waited = self._accept(logits, draft, sampling, profile)
-            self._commit(ckpt, verdict, hidden)
+            if self.trees.wanted(member, sampling):  # a token tree: one pass, the kept path compacted
+                k, verdict, drafted, waited = self.trees.cycle(k, sampling, dkey, want_hidden, profile, policy)
+            else:
+                draft = self._propose(k, sampling, dkey, profile)
+                k = draft.tokens.shape[0]
+                ckpt, logits, hidden = self._verify(draft, want_hidden, profile)
+                verdict, drafted, waited = self._accept(logits, draft, sampling, profile)
+                self._commit(ckpt, verdict, hidden)
             emitted, stopped = self._emit(verdict.tokens, cfg)
             n = min(verdict.n_accepted, len(emitted))
             stats.record_cycle(k, n, len(emitted))

@@ -1,0 +1,118 @@
+"""A verify cycle whose draft is a token tree (drafters/tree_draft.py): one target pass over every node,
+the longest accepted path kept, the cache compacted to it (target/tree_cache.py).
+
+Acceptance, one rule for every temperature: the target picks a token at EVERY row of the pass (greedy: its
+argmax; temperature > 0: a sample from its distribution after the sampler chain, one independent uniform
+per row), and from the root the path follows the child whose token is the target's pick, while there is
+one. The emitted tokens are the path's tokens, then the pick at its last row. Lossless for any drafter,
+with or without probabilities: each emitted token is the target's own pick given exactly the tokens before
+it (its row's ancestors are those tokens), and a row's uniform is used only if the path reaches the row,
+so it is an independent draw at that point; at temperature 0 it is the plain greedy token. (Multi-draft
+rejection sampling would accept more often where drafters give probabilities; not done.)
+
+One host read per cycle: the picks of all rows (and, for a device tree, its tokens and parents), then the
+walk on the host. Trees need a cache that compacts (plain or quantized KV caches), no repetition penalty
+(its history differs per branch), and no fixed-row or batch-invariant pass; otherwise `off` says why and
+the drafter's best chain is verified as before.
+"""
+
+from __future__ import annotations
+
+import time
+
+import mlx.core as mx
+
+from .. import host
+from ..drafters.base import Verdict
+from ..drafters.tree_draft import TokenTree, host_ancestors, host_depths, walk
+from ..sampling import SamplingConfig, probabilities, process_logits, sample
+from ..target import tree_cache
+
+
+class Trees:
+    """The engine's tree path: whether it can run for this model, and its cycle."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self._off: str | None | bool = False  # False: not decided yet
+        self.last_path: list[int] = []  # the last cycle's accepted nodes (indices into its tree; traces, tests)
+
+    @property
+    def off(self) -> str | None:
+        """Why this engine verifies no trees (None: it does)."""
+        if self._off is False:
+            e = self.engine
+            if e.max_rows is not None:
+                self._off = "batch-invariant passes verify chains only"
+            else:
+                self._off = tree_cache.unsupported(e.target.make_cache(), e.target.model)
+        return self._off
+
+    def wanted(self, member: str | None, sampling: SamplingConfig) -> bool:
+        """This cycle verifies a tree: the drafter drafts one for `member` and the engine can verify it."""
+        d = self.engine.drafter
+        return (d is not None and hasattr(d, "propose_tree") and d.drafts_tree(member)
+                and not sampling.penalized and self.off is None)
+
+    def cycle(self, k: int, sampling: SamplingConfig, key: mx.array, want_hidden, profile: bool, policy):
+        """Propose a tree of up to k nodes, verify, accept, compact, commit.
+        -> (nodes drafted, verdict, the drafted tokens, seconds waiting for the device)."""
+        e = self.engine
+        t = time.perf_counter()
+        tree: TokenTree = e.drafter.propose_tree(k, sampling, key)
+        n = tree.size
+        if profile:
+            host.wait(tree.tokens)
+            e.stats.time_draft += time.perf_counter() - t
+        start = e.cache[0].offset
+        if tree.on_host:
+            ancestors = mx.array(host_ancestors(tree.parents))
+            depths = mx.array(host_depths(tree.parents), dtype=mx.int32)
+        else:
+            ancestors, depths = tree.ancestors, tree.depths
+        inputs = mx.concatenate([mx.array([e._last], dtype=mx.int32), tree.tokens.astype(mx.int32)])
+        with tree_cache.tree_pass(e.cache, ancestors, depths):
+            logits, hidden = e.target.forward(inputs, e.cache, want_hidden)
+        if profile:
+            t = time.perf_counter()
+            host.wait(logits)
+            e.stats.time_verify += time.perf_counter() - t
+        picks = pick(logits, sampling, e._next_key())
+        parts = [picks] + ([] if tree.host_tokens is not None else [tree.tokens.astype(mx.int32)]) \
+            + ([] if tree.on_host else [tree.parents.astype(mx.int32)])
+        t_sync = time.perf_counter()
+        values = host.read(mx.concatenate(parts) if len(parts) > 1 else picks)  # the cycle's one host read
+        waited = time.perf_counter() - t_sync
+        if profile:
+            e.stats.time_sample += waited
+            e.stats.profiled_cycles += 1
+        L = n + 1
+        choices, rest = values[:L], values[L:]
+        tokens = tree.host_tokens if tree.host_tokens is not None else rest[:n]
+        parents = tree.parents if tree.on_host else rest[-n:] if n else []
+        path = walk(parents, tokens, choices)
+        self.last_path = [r - 1 for r in path]
+        emitted = [tokens[r - 1] for r in path] + [choices[path[-1] if path else 0]]
+        verdict = Verdict(n, len(path), emitted)
+        self._commit([0] + path, start, verdict, hidden)
+        return n, verdict, list(tokens), waited
+
+    def _commit(self, rows: list[int], start: int, verdict: Verdict, hidden) -> None:
+        """Keep the path's rows in the cache, record them as held, advance the drafter."""
+        e = self.engine
+        tree_cache.compact(e.cache, start, rows)
+        kept_hidden = None
+        if hidden is not None:
+            kept_hidden = hidden if rows == list(range(len(rows))) else hidden[mx.array(rows, dtype=mx.int32)]
+        e.held.fed([e._last] + verdict.tokens[: verdict.n_accepted], kept_hidden)
+        e._last = verdict.tokens[verdict.n_accepted]
+        e.drafter.commit(verdict, kept_hidden)
+
+
+def pick(logits: mx.array, sampling: SamplingConfig, key: mx.array) -> mx.array:
+    """The target's token at every row: argmax (temperature 0), else one sample per row from the sampler
+    chain's distribution, each row with its own uniform."""
+    logits = process_logits(logits, None, sampling)
+    if sampling.greedy:
+        return mx.argmax(logits, axis=-1).astype(mx.int32)
+    return sample(probabilities(logits, sampling), key).astype(mx.int32)

@@ -1,0 +1,109 @@
+"""A target pass over a token tree, and the cache operation that keeps one path of it.
+
+The pass (`tree_pass`): the verify inputs are the root (the last committed token) and the tree's nodes,
+each row at RoPE position P + its depth (P: tokens the cache holds), attending to the P cached tokens and
+to its own ancestors and itself only. No model class is forked:
+- the mask: every layer cache's `make_mask` (what mlx-lm's `create_attention_mask` asks the cache for)
+  answers the tree mask for the pass, [L, P + L] bool;
+- the positions: the model's RoPE modules are wrapped once (the instance's class swapped for a subclass,
+  as target/model.py captures hidden states) to rotate row i at its own position while a pass is on:
+  `mx.fast.rope` over the rows as a batch of one-token sequences, each at its own offset, the very
+  computation of a one-token step at that position.
+
+Compaction (`compact`): after the pass the cache holds the P tokens and all L rows; the kept path's rows
+(the root first, then the accepted nodes, in order) are moved to positions P, P + 1, ... and the rest cut
+off: an exact copy of entries, each at the position it was rotated for (a node's position is its depth,
+and the kept path's node at depth d lands at P + d). Only plain and quantized KV caches can do this;
+recurrent states (their state after a node mixes its siblings' nothing, but a snapshot per node is not
+kept) and rotating windows cannot: `unsupported` says why, and the engine drafts the best chain instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from contextvars import ContextVar
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import KVCache, QuantizedKVCache
+
+_positions: ContextVar = ContextVar("mlx_engine_tree_positions", default=None)
+
+
+def _is_rope(module) -> bool:
+    name = type(module).__name__
+    return "RoPE" in name or "Rotary" in name or "Rope" in name
+
+
+def _install_rope(module: nn.Module) -> None:
+    cls = type(module)
+    if getattr(cls, "_mlx_engine_tree_rope", False):
+        return
+
+    def __call__(self, x, offset=0, *args, **kwargs):
+        pos = _positions.get()
+        if pos is not None and x.ndim == 4 and x.shape[0] == 1 and x.shape[2] == pos.shape[0]:
+            # [1, H, L, D] -> L one-token sequences [L, H, 1, D], sequence i at position pos[i]
+            y = cls.__call__(self, x.swapaxes(0, 2), pos, *args, **kwargs)
+            return y.swapaxes(0, 2)
+        return cls.__call__(self, x, offset, *args, **kwargs)
+
+    module.__class__ = type(cls.__name__, (cls,), {"__call__": __call__, "_mlx_engine_tree_rope": True})
+
+
+def install(model: nn.Module) -> int:
+    """Wrap the model's RoPE modules (once); returns how many there are (0: trees cannot place positions)."""
+    found = [m for _, m in model.named_modules() if _is_rope(m)]
+    for m in found:
+        _install_rope(m)
+    return len(found)
+
+
+def unsupported(caches: list, model: nn.Module | None = None) -> str | None:
+    """Why this model's cache cannot verify trees (None: it can)."""
+    for c in caches:
+        if type(c) not in (KVCache, QuantizedKVCache):
+            return f"its {type(c).__name__} layers cannot keep one branch of a tree (only KV caches compact)"
+    if model is not None and install(model) == 0:
+        return "no RoPE module found to place tree nodes at their depths"
+    return None
+
+
+@contextlib.contextmanager
+def tree_pass(caches: list, ancestors: mx.array, depths: mx.array):
+    """While inside: a forward over the L rows of a tree (row 0 the root) attends by `ancestors` [L, L] bool
+    (row r sees row c) after every cached token, row r at position P + depths[r]."""
+    P = caches[0].offset
+    L = ancestors.shape[0]
+    mask = mx.concatenate([mx.ones((L, P), dtype=mx.bool_), ancestors], axis=1) if P else ancestors
+    for c in caches:
+        c.make_mask = lambda *a, **kw: mask  # an instance attribute: it hides the class's method
+    token = _positions.set((depths + P).astype(mx.int32))
+    try:
+        yield
+    finally:
+        _positions.reset(token)
+        for c in caches:
+            del c.make_mask
+
+
+def _gather(a: mx.array, start: int, idx: mx.array, n: int) -> mx.array:
+    a[..., start : start + n, :] = a[..., idx, :]
+    return a
+
+
+def compact(caches: list, start: int, rows: list[int]) -> None:
+    """Keep rows[0], rows[1], ... (increasing, rows[0] = 0) of the pass that began at cache position `start`:
+    their entries move to start, start + 1, ...; the cache then holds start + len(rows) tokens."""
+    n = len(rows)
+    moved = rows != list(range(n))
+    idx = mx.array([start + r for r in rows], dtype=mx.int32)
+    for c in caches:
+        if moved:
+            if isinstance(c, QuantizedKVCache):
+                c.keys = tuple(_gather(a, start, idx, n) for a in c.keys)
+                c.values = tuple(_gather(a, start, idx, n) for a in c.values)
+            else:
+                c.keys = _gather(c.keys, start, idx, n)
+                c.values = _gather(c.values, start, idx, n)
+        c.offset = start + n
