@@ -36,6 +36,12 @@ then one per doubling): attention grows with the context, and on some devices a 
 relative to a plain step grows with it (this CPU: t(8)/t(1) ~1.6 at 1k tokens, ~3 at 8k). A conversation
 that grows into a new range re-measures its costs there (an optimistic burst and a plain stretch, as at
 the start) instead of trusting costs from shorter contexts; acceptance is kept across ranges.
+
+Trees (`tree=True`, drafters of token trees, core/tree_verify.py): k is the tree's size in nodes, listed
+best first by the drafter, and a_i is the MARGINAL acceptance of the i-th best node (how often it lies on
+the accepted path), so E(n) = 1 + a_1 + ... + a_n; a chain is the tree whose i-th node is accepted iff the
+first i are, so chain cycles count the same way. Sizes past the measured ranks extrapolate the last two
+ranks' ratio. The size is then chosen from measured t(n) as k is.
 """
 
 import copy
@@ -78,6 +84,7 @@ class AdaptivePolicy:
     min_stretch: int = 16
     max_stretch: int = 512
     context_bucket_from: int = 2048  # costs are learnt per context range: below this, then per doubling
+    tree: bool = False  # k counts tree nodes; acceptance[i] is the i-th best node's marginal acceptance
     cost: dict = field(default_factory=dict)  # k -> seconds per cycle (per token for k = 0), this context range
     acceptance: list = field(default_factory=list)  # conditional acceptance estimate per draft position
     hits: list = field(default_factory=list)  # decayed accepted counts per position
@@ -98,6 +105,7 @@ class AdaptivePolicy:
     _up: bool = False
     _bucket: int = 0  # the context range whose costs `cost` holds
     _costs: dict = field(default_factory=dict)  # other context ranges' cost tables
+    _ranks: list | None = None  # the accepted nodes of the tree cycle about to be observed (observe_tree)
     _regime: object = None  # the regime (sampling config) being learnt; others are kept in _learnt
     _learnt: dict = field(default_factory=dict)
 
@@ -105,6 +113,8 @@ class AdaptivePolicy:
         return new if old is None else old + weight * (new - old)
 
     def expected_tokens(self, k: int) -> float:
+        if self.tree:
+            return tree_expected_tokens(self.acceptance, k, self.prior_acceptance)
         return expected_tokens(self.acceptance, k, self.prior_acceptance)
 
     def estimated_cost(self, k: int) -> float | None:
@@ -246,8 +256,16 @@ class AdaptivePolicy:
         if self._in_burst:
             self._burst_hits += int(n_accepted > 0)
             self._burst_tries += 1
-        add_verdict(self.hits, self.tries, k, n_accepted, decay)
+        if self.tree:  # each node a try at its rank; the accepted ones (a chain: the first n) hits
+            ranks, self._ranks = (self._ranks if self._ranks is not None else range(n_accepted)), None
+            add_ranks(self.hits, self.tries, k, ranks, decay)
+        else:
+            add_verdict(self.hits, self.tries, k, n_accepted, decay)
         self._estimate()
+
+    def observe_tree(self, k: int, accepted: list[int]) -> None:
+        """The next `observe` is a tree cycle of k nodes whose accepted nodes were `accepted` (their ranks)."""
+        self._ranks = list(accepted)
 
     def _estimate(self) -> None:
         """Beta-smoothed conditional acceptance per position; a deeper position's prior is no higher than
@@ -259,7 +277,29 @@ class AdaptivePolicy:
 # the settings of AdaptivePolicy (a new setting goes here; every other field is learnt state)
 _SETTINGS = ("max_k", "probe_every", "probe_cycles", "bootstrap_tokens", "bootstrap_cycles", "bootstrap_k", "smoothing",
              "window", "prior_acceptance", "prior_weight", "min_step_cost", "min_stretch", "max_stretch",
-             "context_bucket_from")
+             "context_bucket_from", "tree")
+
+
+def add_ranks(hits: list[float], tries: list[float], k: int, accepted, decay: float) -> None:
+    """Count one tree of k nodes (in place): every rank a try, the accepted ranks hits, older counts decayed."""
+    accepted = set(accepted)
+    while len(tries) < k:
+        hits.append(0.0)
+        tries.append(0.0)
+    for i in range(k):
+        hits[i] = hits[i] * decay + (1.0 if i in accepted else 0.0)
+        tries[i] = tries[i] * decay + 1.0
+
+
+def tree_expected_tokens(marginals: list[float], k: int, default: float) -> float:
+    """E(n) = 1 + a_1 + ... + a_n for marginal node acceptances; ranks past the estimates continue the last
+    two's ratio (a geometric tail), or take `default` halving per rank when there is no estimate."""
+    total, last = 1.0, None
+    ratio = min(1.0, marginals[-1] / marginals[-2]) if len(marginals) >= 2 and marginals[-2] > 0 else 0.5
+    for i in range(k):
+        last = marginals[i] if i < len(marginals) else (last if last is not None else default) * ratio
+        total += last
+    return total
 
 
 def make_policy(num_draft: int | str, max_k: int = 8):

@@ -95,6 +95,9 @@ class Trees:
         emitted = [tokens[r - 1] for r in path] + [choices[path[-1] if path else 0]]
         verdict = Verdict(n, len(path), emitted)
         self._commit([0] + path, start, verdict, hidden)
+        adaptive = getattr(policy, "inner", None) or policy  # (the chat's live policy wraps one)
+        if getattr(adaptive, "tree", False):  # which ranks were accepted, for the engine's observe() next
+            adaptive.observe_tree(n, self.last_path)
         return n, verdict, list(tokens), waited
 
     def _commit(self, rows: list[int], start: int, verdict: Verdict, hidden) -> None:

@@ -68,6 +68,19 @@ class ChainDrafter:
         self.cycles[self.model.name] += 1
         return self.model.propose(k, sampling, key)
 
+    def drafts_tree(self, member: str | None = None) -> bool:
+        """Whether `member` drafts token trees (the suffix drafter's classes do; prompt lookup does not)."""
+        owner = self.model if member == self.model.name else self.ngram
+        return bool(getattr(owner, "drafts_tree", lambda m: False)(member))
+
+    def propose_tree(self, k: int, sampling: SamplingConfig, key: mx.array):
+        """The lookup member's tree when the context has a match, else the model drafter's."""
+        member = self.next_member()
+        owner = self.model if member == self.model.name else self.ngram
+        self.last = member
+        self.cycles[owner.name] += 1
+        return owner.propose_tree(k, sampling, key)
+
     def commit(self, verdict: Verdict, hidden: mx.array | None) -> None:
         self.ngram.commit(verdict, None)
         self.model.commit(verdict, hidden)

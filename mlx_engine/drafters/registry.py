@@ -30,7 +30,8 @@ class DrafterOptions:
         return cls(**{**kw, **({field_name: path} if field_name and path else {})})
 
 
-PATH_FIELDS = {"draft": "draft_model", "mtp": "mtp_weights", "eagle3": "eagle3", "dflash": "dflash",
+PATH_FIELDS = {"draft": "draft_model", "mtp": "mtp_weights", "mtp-tree": "mtp_weights", "eagle3": "eagle3",
+               "dflash": "dflash",
                "gemma4-assistant": "assistant"}  # kind -> the option its one path fills
 
 
@@ -91,6 +92,12 @@ def _mtp(opts: DrafterOptions, loaded) -> Drafter:
     return load_mtp_drafter(loaded.model, loaded.path, loaded.config, mtp_weights=opts.mtp_weights)
 
 
+def _mtp_tree(opts: DrafterOptions, loaded) -> Drafter:
+    from .mtp_tree import MTPTreeDrafter
+
+    return MTPTreeDrafter.of(_mtp(opts, loaded))  # the head's top-k guesses as a token tree
+
+
 def checkpoint_folder(value: str, flag: str) -> str:
     """A drafter's checkpoint folder as given, or a hub repository (hub:OWNER/NAME[@REV], or OWNER/NAME
     when no such folder exists) fetched whole into huggingface_hub's cache (drafter repos are small)."""
@@ -149,6 +156,7 @@ BUILDERS: dict[str, Callable[[DrafterOptions, object], Drafter]] = {
     "suffix": _suffix,
     "draft": _draft,
     "mtp": _mtp,
+    "mtp-tree": _mtp_tree,
     "eagle3": _eagle3,
     "dflash": _dflash,
     "gemma4-assistant": _gemma4_assistant,
