@@ -1,5 +1,5 @@
 // CUDA twin of batch_attention.metal (body for mx.fast.cuda_kernel, ensure_row_contiguous=False;
-// header common.cuh). Same inputs, outputs, template constants (T, D, DV, DP, CAUSAL, SG, KB), launch
+// header common.cuh). Same inputs, outputs, template constants (T, D, DV, DP, CAUSAL, TREE, SG, KB), launch
 // (grid (32*SG, L, B*Hq), threadgroup (32*SG, 1, 1): one block per (batch, head, query)) and the same
 // arithmetic in the same order: per-lane fma chains for the scores, a xor butterfly 1..16, the
 // online softmax of each warp over its keys g, g+SG, ... in order, and the warps merged in order.
@@ -23,7 +23,18 @@ const int hk = h / (Hq / Hk);
 const int tid = int(threadIdx.x);
 const int lane = tid & 31;
 const int g = tid >> 5;
-const int n = CAUSAL ? Nk - L + i + 1 : Nk;
+int n = CAUSAL ? Nk - L + i + 1 : Nk;
+int tail[16];  // TREE: the key index of each visible key among the last L (at most 16 queries)
+if (TREE) {
+  const unsigned bits = unsigned(tree[i]);
+  int cnt = 0;
+  for (int t = 0; t < L; ++t) {
+    if ((bits >> t) & 1u) {
+      tail[cnt++] = Nk - L + t;
+    }
+  }
+  n = Nk - L + cnt;
+}
 const float sc = scale[0];
 
 __shared__ float part_m[SG];
@@ -69,7 +80,8 @@ for (int j0 = g; j0 < n; j0 += SG * KB) {
   float s[KB];
 #pragma unroll
   for (int kb = 0; kb < KB; ++kb) {
-    const int j = min(j0 + kb * SG, n - 1);  // past n: recomputed, never used
+    const int jv = min(j0 + kb * SG, n - 1);  // past n: recomputed, never used
+    const int j = (TREE && jv >= Nk - L) ? tail[jv - (Nk - L)] : jv;  // the visible key's index
     float p = 0.0f;
 #pragma unroll
     for (int t = 0; t < DPL; ++t) {
@@ -93,8 +105,9 @@ for (int j0 = g; j0 < n; j0 += SG * KB) {
   }
 #pragma unroll
   for (int kb = 0; kb < KB; ++kb) {
-    const int j = j0 + kb * SG;
-    if (j < n) {
+    const int jv = j0 + kb * SG;
+    if (jv < n) {
+      const int j = (TREE && jv >= Nk - L) ? tail[jv - (Nk - L)] : jv;
       const float sj = __fmul_rn(s[kb], sc);
       const float mn = fmaxf(m, sj);
       const float c = expf(__fadd_rn(m, -mn));

@@ -6,10 +6,11 @@
 //          qp [B, Hq, L, DP], kp [B, Hk, Nk, DP] (extra score term, MLA's rope part; unused if DP = 0),
 //          scale [1] float32, live [1] int32 (queries i >= live pad a fixed-row pass: zero rows, no key read),
 //          lens [B] int32 (the keys of sequence b: its first lens[b] of Nk, a batch cache row's length;
-//          0 = all Nk)
+//          0 = all Nk), tree [L] int32 (TREE: bit t of tree[i] set = query i sees key Nk - L + t)
 // outputs: o [B, Hq, L, DV] (T)
 // template: T, D, DV, DP (multiples of 32; DP may be 0), CAUSAL (query i of sequence b sees keys
-//           0..n_b-L+i, n_b its key count),
+//           0..n_b-L+i, n_b its key count), TREE (a token tree's verify pass: query i sees keys
+//           0..n_b-L-1 and, of the last L, those whose bits tree[i] sets: its ancestors and itself),
 //           SG (SIMD groups per threadgroup), KB (keys per SIMD group and iteration)
 // launch:  grid (32*SG, L, B*Hq), threadgroup (32*SG, 1, 1): one threadgroup per (batch, head, query).
 //
@@ -20,7 +21,9 @@
 //   m' = max(m, s), c = exp(m - m'), e = exp(s - m'), l = fma(l, c, e), o_d = fma(o_d, c, e * v_d)
 // and the SG partial results are merged in group order: M = max m_g, l = sum_g l_g exp(m_g - M),
 // o = sum_g o_g exp(m_g - M), out = o / l. Everything depends on the query's own keys and SG only,
-// never on L, Nk beyond the query's keys, or the other queries.
+// never on L, Nk beyond the query's keys, or the other queries. With TREE the n keys a query sees are
+// its visible keys in increasing order (j -> key index kj), so a tree row is its 1-query launch over
+// the cache's keys followed by its path's keys, bit for bit.
 
 constexpr int DPL = D / 32;
 constexpr int VPL = DV / 32;
@@ -36,7 +39,18 @@ const int h = bh % Hq;
 const int hk = h / (Hq / Hk);
 const int lane = int(thread_index_in_simdgroup);
 const int g = int(simdgroup_index_in_threadgroup);
-const int n = CAUSAL ? Nk - L + i + 1 : Nk;
+int n = CAUSAL ? Nk - L + i + 1 : Nk;
+int tail[16];  // TREE: the key index of each visible key among the last L (at most 16 queries)
+if (TREE) {
+  const unsigned bits = unsigned(tree[i]);
+  int cnt = 0;
+  for (int t = 0; t < L; ++t) {
+    if ((bits >> t) & 1u) {
+      tail[cnt++] = Nk - L + t;
+    }
+  }
+  n = Nk - L + cnt;
+}
 const float sc = scale[0];
 
 threadgroup float part_m[SG];
@@ -78,7 +92,8 @@ for (int t = 0; t < VPL; ++t) {
 for (int j0 = g; j0 < n; j0 += SG * KB) {
   float s[KB];
   for (int kb = 0; kb < KB; ++kb) {
-    const int j = min(j0 + kb * SG, n - 1);  // past n: recomputed, never used
+    const int jv = min(j0 + kb * SG, n - 1);  // past n: recomputed, never used
+    const int j = (TREE && jv >= Nk - L) ? tail[jv - (Nk - L)] : jv;  // the visible key's index
     float p = 0.0f;
     for (int t = 0; t < DPL; ++t) {
       p = fma(qv[t], static_cast<float>(k[koff + j * k_strides[2] + (lane * DPL + t) * k_strides[3]]), p);
@@ -98,8 +113,9 @@ for (int j0 = g; j0 < n; j0 += SG * KB) {
     s[kb] = s[kb] + simd_shuffle_xor(s[kb], ushort(16));
   }
   for (int kb = 0; kb < KB; ++kb) {
-    const int j = j0 + kb * SG;
-    if (j < n) {
+    const int jv = j0 + kb * SG;
+    if (jv < n) {
+      const int j = (TREE && jv >= Nk - L) ? tail[jv - (Nk - L)] : jv;
       const float sj = s[kb] * sc;
       const float mn = max(m, sj);
       const float c = exp(m - mn);

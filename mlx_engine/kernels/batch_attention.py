@@ -12,6 +12,11 @@ keys as without `live` (causal: its position counts all L rows), so live changes
 lens (optional, B ints): sequence b has only the first lens[b] of the Nk keys (the rows of a batch cache,
 target/batch_cache.py); its queries are the last L of those. Every row is then what a launch of that
 sequence alone over k[b, :, :lens[b]] gives: one launch serves a batch of sequences of any lengths.
+tree (optional, L ints): a token tree's verify pass (core/tree_verify.py): the L queries are the tree's
+rows, and query i sees the Nk - L keys before them and, of the last L keys, those whose bits tree[i] sets
+(bit t: key Nk - L + t; its ancestors and itself, which come before it). Its visible keys in order are the
+keys a plain decode step at its position sees (the cache, then its path), and the row is bit for bit that
+step's 1-query launch over them.
 
 Why: stock attention splits the keys of a query over threads in a way that depends on the number of
 queries and keys in the launch, so verify rows differ in the last bits from single-token decode.
@@ -34,7 +39,7 @@ import mlx.core as mx
 from . import Launch, Op, build_kernel, cached_constant, differs_from_reference
 
 NAME = "batch_attention"
-INPUT_NAMES = ("q", "k", "v", "qp", "kp", "scale", "live", "lens")
+INPUT_NAMES = ("q", "k", "v", "qp", "kp", "scale", "live", "lens", "tree")
 OUTPUT_NAMES = ("out",)
 CONTIGUOUS = False  # k and v are KV-cache views: read through their strides, never copied
 KEYS_PER_ITER = 8  # keys a SIMD group scores at once (independent butterflies in flight; changes no bit)
@@ -77,13 +82,17 @@ def _expand_heads(t: mx.array, hq: int) -> mx.array:
 
 
 def attention_reference(q, k, v, scale: float, causal: bool = True, qp=None, kp=None, mask=None, live=None,
-                        lens=None) -> mx.array:
+                        lens=None, tree=None) -> mx.array:
     """The batch-invariant attention of the module docstring in elementwise MLX ops.
 
     mask (optional, instead of `causal`): bool [.., L, Nk] (True = attend), additive float, or the
-    strings mlx-lm passes ("causal"; None = every key). live, lens: see the module docstring."""
+    strings mlx-lm passes ("causal"; None = every key); masked keys keep their place in the sums, so a
+    mask that is not a prefix of the keys is not batch invariant: trees take `tree`. live, lens, tree: see
+    the module docstring."""
     if isinstance(mask, str):
         causal, mask = mask == "causal", None
+    if tree is not None:  # each row over its visible keys, gathered in order: the definition
+        return _tree_rows(q, k, v, scale, qp, kp, lens, live, tree)
     if lens is not None:  # each sequence alone over its own keys (padding is exact, so this is the definition)
         one = lambda t, b, n=None: None if t is None else t[b : b + 1, :, :n]  # noqa: E731
         return mx.concatenate([
@@ -129,6 +138,34 @@ def _live_rows(fn, q, k, v, scale, causal, qp, kp, mask, live: int) -> mx.array:
     return mx.pad(out, [(0, 0), (0, 0), (0, L - live), (0, 0)])
 
 
+def tree_bits(ancestors) -> list[int]:
+    """The `tree` argument from a tree's [L, L] ancestor matrix (row r sees row c; row 0 the root)."""
+    return [sum(1 << c for c, seen in enumerate(row) if seen) for row in ancestors]
+
+
+def _visible(bits: int, L: int) -> list[int]:
+    return [t for t in range(L) if (bits >> t) & 1]
+
+
+def _tree_rows(q, k, v, scale, qp, kp, lens, live, tree) -> mx.array:
+    B, _, L, _ = q.shape
+    tree = [int(t) for t in (tree.tolist() if isinstance(tree, mx.array) else tree)]
+    counts = _key_counts(lens, k.shape[2]) if lens is not None else [k.shape[2]] * B
+    seqs = []
+    for b, nk in enumerate(counts):
+        rows = []
+        for i in range(L):
+            if live is not None and i >= live:
+                rows.append(mx.zeros(q[b : b + 1, :, i : i + 1, :1].shape[:3] + (v.shape[-1],), q.dtype))
+                continue
+            idx = mx.array(list(range(nk - L)) + [nk - L + t for t in _visible(tree[i], L)], dtype=mx.int32)
+            take = lambda t: None if t is None else mx.take(t[b : b + 1], idx, axis=2)  # noqa: E731
+            rows.append(attention_reference(q[b : b + 1, :, i : i + 1], take(k), take(v), scale, True,
+                                            None if qp is None else qp[b : b + 1, :, i : i + 1], take(kp)))
+        seqs.append(mx.concatenate(rows, axis=2))
+    return mx.concatenate(seqs, axis=0)
+
+
 def _key_counts(lens, nk: int) -> list[int]:
     return [int(n) if int(n) > 0 else nk for n in lens]
 
@@ -147,7 +184,7 @@ def supported(q: mx.array, k: mx.array, v: mx.array, qp=None) -> bool:
 
 def launch_spec(
     q, k, v, scale: float, causal: bool = True, qp=None, kp=None, warps=None, keys=KEYS_PER_ITER, live=None,
-    lens=None,
+    lens=None, tree=None,
 ) -> Launch:
     if not supported(q, k, v, qp):
         raise ValueError(f"unsupported attention shapes q {q.shape}, k {k.shape}, v {v.shape}")
@@ -160,6 +197,12 @@ def launch_spec(
     for n in _key_counts(lens, k.shape[2]) if lens is not None else [k.shape[2]]:
         if n > k.shape[2] or (causal and L > n):
             raise ValueError(f"{L} {'causal ' if causal else ''}queries over {n} of {k.shape[2]} keys")
+    if tree is not None and not isinstance(tree, mx.array):
+        if len(tree) != L:
+            raise ValueError(f"{len(tree)} tree rows for {L} queries")
+        for i, bits in enumerate(tree):  # a query sees itself and rows before it only (parents come first)
+            if not (bits >> i) & 1 or bits >> (i + 1):
+                raise ValueError(f"tree row {i} sees {_visible(bits, 32)}: it must see itself and only earlier rows")
     DV = v.shape[-1]
     warps = warps or warps_for(DV)
     dp = 0 if qp is None else qp.shape[-1]
@@ -171,10 +214,12 @@ def launch_spec(
             cached_constant(("attention live", live), lambda: mx.array([live], mx.int32)),  # an input: one compile
             cached_constant(("attention all keys", B), lambda: mx.zeros((B,), mx.int32)) if lens is None
             else mx.array(list(lens), mx.int32),
+            cached_constant(("attention no tree",), lambda: mx.zeros((1,), mx.int32)) if tree is None
+            else (tree.astype(mx.int32) if isinstance(tree, mx.array) else mx.array(list(tree), mx.int32)),
         ],
         template=[
-            ("T", q.dtype), ("D", D), ("DV", DV), ("DP", dp), ("CAUSAL", bool(causal)),
-            ("SG", warps), ("KB", keys),
+            ("T", q.dtype), ("D", D), ("DV", DV), ("DP", dp), ("CAUSAL", bool(causal) or tree is not None),
+            ("TREE", tree is not None), ("SG", warps), ("KB", keys),
         ],
         grid=(32 * warps, L, B * Hq),
         threadgroup=(32 * warps, 1, 1),
@@ -188,20 +233,20 @@ def _kernel(backend: str):
 
 
 def _attention_kernel(backend: str, q, k, v, scale: float, causal: bool = True, qp=None, kp=None, mask=None, live=None,
-                      lens=None):
+                      lens=None, tree=None):
     if mask is not None:
-        raise ValueError("the attention kernels take causal or no masks; array masks go to the reference")
-    return _kernel(backend)(**launch_spec(q, k, v, scale, causal, qp, kp, live=live, lens=lens).kwargs())[0]
+        raise ValueError("the attention kernels take causal, tree or no masks; array masks go to the reference")
+    return _kernel(backend)(**launch_spec(q, k, v, scale, causal, qp, kp, live=live, lens=lens, tree=tree).kwargs())[0]
 
 
 def attention_metal(q, k, v, scale: float, causal: bool = True, qp=None, kp=None, mask=None, live=None,
-                    lens=None) -> mx.array:
-    return _attention_kernel("metal", q, k, v, scale, causal, qp, kp, mask, live, lens)
+                    lens=None, tree=None) -> mx.array:
+    return _attention_kernel("metal", q, k, v, scale, causal, qp, kp, mask, live, lens, tree)
 
 
 def attention_cuda(q, k, v, scale: float, causal: bool = True, qp=None, kp=None, mask=None, live=None,
-                   lens=None) -> mx.array:
-    return _attention_kernel("cuda", q, k, v, scale, causal, qp, kp, mask, live, lens)
+                   lens=None, tree=None) -> mx.array:
+    return _attention_kernel("cuda", q, k, v, scale, causal, qp, kp, mask, live, lens, tree)
 
 
 def make_case(B, Hq, Hk, L, N, D, DV=None, DP=0, seed=0, dtype=mx.float32):
