@@ -187,7 +187,8 @@ def test_each_registry_mode_gets_only_its_own_checkpoint(monkeypatch):
     monkeypatch.setattr(registry, "make_drafter", lambda kind, loaded, opts: seen.setdefault(kind, opts))
     args = SimpleNamespace(mtp_weights="head.safetensors", eagle3="e3", dflash="dfl", assistant=None)
     made = registry_drafters(args, loaded=None, mtp_ok=True)
-    assert set(made) == set(seen) == {"ngram+mtp", "eagle3", "ngram+eagle3", "dflash"}
+    assert set(made) == set(seen) == {"suffix", "ngram+mtp", "suffix+mtp", "mtp-tree", "eagle3", "ngram+eagle3",
+                                      "dflash"}
     assert seen["ngram+mtp"].eagle3 is None and seen["ngram+mtp"].dflash is None
     assert seen["eagle3"].eagle3 == seen["ngram+eagle3"].eagle3 == "e3" and seen["eagle3"].dflash is None
     assert seen["dflash"].dflash == "dfl" and seen["dflash"].eagle3 is None

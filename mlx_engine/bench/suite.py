@@ -23,6 +23,7 @@ import mlx.core as mx
 from ..args import ArgumentParser, count, fail, float_list, int_list, interrupted
 from ..drafters.draft_model import DraftModelDrafter
 from ..drafters.ngram import NgramDrafter
+from ..drafters.suffix import private_cache
 from ..core.engine import Engine
 from ..models import ModelLoadError, load
 from .modes import Mode, Result, run_engine, run_mlx_lm
@@ -30,6 +31,9 @@ from .report import BenchInputError, machine, print_table, writable_file, write_
 
 PROMPTS = Path(__file__).resolve().parents[2] / "bench" / "prompts"
 BASELINES = ("mlx-lm plain", "engine plain")
+# each suffix mode's own suffix cache (drafters/suffix.py), emptied before each pass over the prompts: a
+# request sees the earlier requests of its pass, never its own answer from another trial or temperature
+SUFFIX_CACHES: list = []
 
 
 def default_out() -> Path:
@@ -96,7 +100,8 @@ def registry_drafters(args, loaded, mtp_ok: bool) -> dict:
     from ..drafters import registry
 
     paths = {"eagle3": args.eagle3, "dflash": args.dflash, "gemma4-assistant": args.assistant}
-    kinds = (["ngram+mtp"] if mtp_ok else []) + (["eagle3", "ngram+eagle3"] if args.eagle3 else []) \
+    kinds = ["suffix"] + (["ngram+mtp", "suffix+mtp", "mtp-tree"] if mtp_ok else []) \
+        + (["eagle3", "ngram+eagle3"] if args.eagle3 else []) \
         + (["dflash"] if args.dflash else []) + (["gemma4-assistant"] if args.assistant else [])
     out = {}
     for kind in kinds:  # each kind gets its own checkpoint only (the registry refuses another kind's)
@@ -105,7 +110,7 @@ def registry_drafters(args, loaded, mtp_ok: bool) -> dict:
             registry.make_drafter(kind, loaded, opts)  # fail here, before any timing
         except registry.DrafterError as e:
             raise BenchInputError(str(e)) from None
-        out[kind] = lambda kind=kind, opts=opts: registry.make_drafter(kind, loaded, opts)
+        out[kind] = lambda kind=kind, opts=opts: private_cache(registry.make_drafter(kind, loaded, opts), SUFFIX_CACHES)
     return out
 
 
@@ -188,7 +193,8 @@ def parser() -> ArgumentParser:
     ap.add_argument("--dflash", help="also run engine dflash modes with this DFlash checkpoint folder")
     ap.add_argument("--assistant", help="also run engine gemma4-assistant modes with this Gemma 4 assistant folder")
     ap.add_argument("--random-head", action="store_true", help="also run auto with a randomly initialised MTP head")
-    ap.add_argument("--suite", default="chat", help="prompt suite in bench/prompts (chat, code, long, edit; default chat)")
+    ap.add_argument("--suite", default="chat",
+                    help="prompt suite in bench/prompts (chat, code, long, edit, agent; default chat)")
     ap.add_argument("--prompts", type=count(1), default=8, help="prompts from the suite (default 8)")
     ap.add_argument("--max-tokens", type=count(2), default=64,
                     help="tokens per generation, >= 2: decode speed is timed after the first (default 64)")
@@ -274,6 +280,8 @@ def run(args, argv) -> int:
         task = progress.add_task("bench", total=total)
         for trial in range(args.trials + 1):
             for temp in temps:
+                for cache in SUFFIX_CACHES:
+                    cache.clear()
                 runs = {m.name: [] for m in modes}
                 todo = prompts[: args.warmup_prompts] if trial == 0 and args.warmup_prompts else prompts
                 for i, prompt in enumerate(todo):

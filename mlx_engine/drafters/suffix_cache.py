@@ -179,6 +179,16 @@ class SuffixCache:
             parent.more = None
             self.dicts -= 1
 
+    def clear(self) -> None:
+        """Forget every text (a bench pass that must not see answers of an earlier pass); a text still
+        written to afterwards goes back in whole, as after an eviction."""
+        with self.lock:
+            for text in self.texts.values():
+                text.evicted, text.active = True, []
+            self.root, self.texts = _Node(), {}
+            self.nodes = self.dicts = self.tokens = 0
+            self.version += 1
+
     # -- eviction ----------------------------------------------------------------------------------
     def _evict(self, keep: Text | None = None) -> None:
         """Drop the least recently written texts (never `keep`) while over the byte budget."""
