@@ -108,6 +108,10 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trace", action="store_true", help="with --json: add one entry per verify cycle")
     p.add_argument("--prefill-step", type=count(1), default=512,
                    help="prompt tokens per prefill pass (default 512): progress and Ctrl-C are seen between passes")
+    p.add_argument("--distributed", choices=("pipeline", "tensor"), default=None,
+                   help="shard the target across the processes of `mlx.launch -n N -- python -m mlx_engine generate "
+                        "...` (mlx-lm's sharded loading): pipeline (stages of layers) or tensor (every matrix split); "
+                        "rank 0 drafts, decides and prints")
     add_memory_args(p)
 
 
@@ -170,14 +174,19 @@ def build(args):
     if args.trace and not args.json:
         raise UsageError("--trace adds the cycles to the --json output: give --json too")
     prompt = parse_prompt_tokens(args.prompt_tokens) if args.prompt_tokens is not None else None
-    loaded = load_within_budget(args.model, args.max_memory)  # None: the embedded default model
+    if getattr(args, "distributed", None):  # this rank's shard only (mlx_engine/distributed)
+        from .distributed.command import load_for_command
+
+        loaded = load_for_command(args.model, args.distributed)
+    else:
+        loaded = load_within_budget(args.model, args.max_memory)  # None: the embedded default model
     if prompt is None:
         prompt = encode_prompt(loaded.tokenizer, args.prompt, not args.no_chat_template)
     try:  # before the drafter loads and anything is prefilled
         check_context(len(prompt), args.max_tokens, loaded.context_length)
     except ContextLengthError as e:
         raise UsageError(f"{e} (--max-tokens {args.max_tokens})") from None
-    drafter = make_drafter(args, loaded)
+    drafter = make_drafter(args, loaded) if getattr(loaded, "leader", True) else None  # (sharded: rank 0's)
     why_not = quantize_kv(drafter, args.draft_kv_bits, args.kv_group_size)
     if why_not and args.draft_kv_bits is not None:
         raise UsageError(f"--draft-kv-bits: {why_not}")
@@ -187,8 +196,10 @@ def build(args):
         stop_tokens=stop, profile_every=8 if args.json else 0, on_prefill=PrefillBar(), prefill_step=args.prefill_step,
     )
     try:
-        engine = Engine(loaded.model, drafter, batch_invariant=args.batch_invariant, context_length=loaded.context_length,
-                        kv_bits=args.kv_bits, kv_group_size=args.kv_group_size)
+        make_engine = getattr(loaded, "engine_class", Engine)  # sharded: a DistributedEngine over its group
+        engine = make_engine(loaded.model, drafter, batch_invariant=args.batch_invariant,
+                             context_length=loaded.context_length, kv_bits=args.kv_bits,
+                             kv_group_size=args.kv_group_size)
         engine.memory = plan(loaded.model, drafter, engine.target, args.max_memory, what=loaded.path.name)
         engine.memory.check_load()
         engine.memory.check_sequence(len(prompt) + args.max_tokens)

@@ -52,6 +52,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     from ..cli import add_memory_args
 
     add_memory_args(p, prefix_cache=True)
+    p.add_argument("--distributed", choices=("pipeline", "tensor"), default=None,
+                   help="shard the target across the processes of `mlx.launch -n N -- python -m mlx_engine "
+                        "serve ...`: rank 0 serves HTTP and drafts, the others follow its steps; one request at a time")
     p.add_argument("--batch-invariant", nargs="?", const="kernels", default=None, choices=("kernels", "fixed", "off"),
                    metavar="MODE",
                    help="every decode step batch invariant, so each request's tokens equal, bit for bit, the same "
@@ -80,13 +83,19 @@ def build_service(args):
     if invariant == "fixed" and args.batching != "fair":
         raise UsageError("--batch-invariant fixed pads one sequence per pass: use it with --batching fair, "
                          "or --batch-invariant kernels with continuous batching")
-    loaded = load_within_budget(args.model, args.max_memory)
+    distributed = getattr(args, "distributed", None)
+    if distributed:  # this rank's shard; rank 0 serves, the others follow its steps (mlx_engine/distributed)
+        from ..distributed.command import load_for_command
+
+        loaded = load_for_command(args.model, distributed, serving=True, batching=args.batching)
+    else:
+        loaded = load_within_budget(args.model, args.max_memory)
     kind = args.drafter or ("mtp" if args.model is None else "none")
     opts = DrafterOptions(draft_model=args.draft_model, draft_vocab_subset=args.draft_vocab_subset,
                           mtp_weights=args.mtp_weights, dflash=getattr(args, "dflash", None),
                           assistant=getattr(args, "assistant", None))
     try:
-        drafter = registry.make_drafter(kind, loaded, opts)
+        drafter = registry.make_drafter(kind, loaded, opts) if getattr(loaded, "leader", True) else None
     except DrafterError as e:
         raise UsageError(str(e)) from None
     why_not = quantize_kv(drafter, args.draft_kv_bits, args.kv_group_size)
@@ -100,7 +109,7 @@ def build_service(args):
                   memory=budget, prefix_cache_bytes=tree)
     common = dict(max_queue=args.max_queue, num_draft=num_draft)
     worker = None
-    if args.batching != "fair":
+    if args.batching != "fair" and not distributed:
         from ..core.batch_engine import BatchEngine
         from .batch import BatchWorker
 
@@ -118,7 +127,8 @@ def build_service(args):
                   f"({engine.supported})", file=sys.stderr)
     if worker is None:
         try:
-            engine = Engine(loaded.model, drafter, batch_invariant=invariant, **memory)
+            make_engine = getattr(loaded, "engine_class", Engine)  # sharded: a DistributedEngine
+            engine = make_engine(loaded.model, drafter, batch_invariant=invariant, **memory)
         except ValueError as e:
             raise UsageError(str(e)) from None
         worker = FairQueueWorker(engine, loaded.tokenizer, **common)
@@ -172,6 +182,11 @@ def beyond_loopback(host: str) -> bool:
 def run_serve(args) -> int:
     from ..cli import UsageError
 
+    if getattr(args, "distributed", None):
+        from ..distributed.command import leads
+
+        if not leads():  # a follower serves no HTTP: it runs the generations rank 0 announces
+            return build_service(args)[0].worker.engine.follow()
     # bound here, before the load, so a taken port fails at once and --port 0 can say which port it got
     try:
         family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
