@@ -36,8 +36,11 @@ def config(run: dict) -> GenerationConfig:
 
 
 def make_drafter(spec: dict, kind: str, loaded):
-    opts = DrafterOptions(draft_model=spec.get("draft_model") if kind == "draft" else None,
-                          mtp_weights=spec.get("mtp_weights"), eagle3=spec.get("eagle3"), dflash=spec.get("dflash"))
+    parts = kind.split("+")
+    opts = DrafterOptions(draft_model=spec.get("draft_model") if "draft" in parts else None,
+                          mtp_weights=spec.get("mtp_weights") if "mtp" in parts else None,
+                          eagle3=spec.get("eagle3") if "eagle3" in parts else None,
+                          dflash=spec.get("dflash") if "dflash" in parts else None)
     return registry.make_drafter(kind, loaded, opts)
 
 
@@ -97,4 +100,10 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from mlx_engine.distributed import DistributedError
+
+    try:
+        sys.exit(main())
+    except DistributedError as e:  # as the commands report it
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)

@@ -49,9 +49,10 @@ class Rank:
 
 
 def launch(argv: list[str], n: int = 2, timeout: float = 120, env: dict | None = None,
-           on_start=None) -> list[Rank]:
+           on_start=None, until_rank0: bool = False) -> list[Rank]:
     """Run `python argv` on n ranks; every rank is killed if the run passes `timeout` seconds (a hang fails
-    the test, it never stalls the suite). on_start(processes) runs once they are started."""
+    the test, it never stalls the suite), or once rank 0 has ended with `until_rank0`. on_start(processes)
+    runs once they are started."""
     ports = free_ports(n)
     with tempfile.TemporaryDirectory() as tmp:
         hostfile = Path(tmp) / "hosts.json"
@@ -65,6 +66,8 @@ def launch(argv: list[str], n: int = 2, timeout: float = 120, env: dict | None =
         ended = [None] * n
         try:
             while any(e is None for e in ended) and time.monotonic() - t0 < timeout:
+                if until_rank0 and ended[0] is not None:
+                    break
                 for r, p in enumerate(procs):
                     if ended[r] is None and p.poll() is not None:
                         ended[r] = time.monotonic() - t0
