@@ -278,3 +278,22 @@ def test_cli_suffix_kinds(tmp_path_factory, capsys):
         spec = run("--drafter", kind, "--num-draft", "3")
         assert spec["tokens"] == plain["tokens"], kind
     assert spec["stats"]["accepted"] > 10  # (the process's shared suffix cache: CLI runs in one process)
+
+
+def test_the_batch_engine_s_requests_share_one_suffix_cache():
+    """The server's engine copies the drafter per request: every copy writes to the one cache, each row's
+    output equals the request served alone, and a request that comes later drafts from an earlier one's
+    answer (the same prompt again: most of its tokens accepted)."""
+    from mlx_engine.core.batch_engine import BatchEngine
+    from test_batch_engine import PROMPTS, alone, run
+
+    model = target("llama")
+    cache = SuffixCache()
+    engine = BatchEngine(model, SuffixDrafter(cache, min_match=1), num_draft=4, max_batch=3)
+    reqs = {i: (p, 24, {}) for i, p in enumerate(PROMPTS[:3])}
+    reqs[3] = (PROMPTS[0], 24, {})  # joins once request 0 is done
+    got, done = run(engine, reqs, joins={30: [3]})
+    for i, (p, n, _) in reqs.items():
+        assert got[i] == alone(model, p, n), i
+    assert len(cache.texts) == 4
+    assert done[3][1]["accepted"] > done[0][1]["accepted"] and done[3][1]["accepted"] >= 12, done
