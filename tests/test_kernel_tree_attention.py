@@ -120,3 +120,51 @@ def test_a_tree_row_that_sees_a_later_row_is_refused():
         A.launch_spec(q, k, v, scale, True, tree=[1, 1, 0b101, 0b1001, 0b10001, 0b100001, 0b1000001])
     with pytest.raises(ValueError, match="tree rows"):
         A.launch_spec(q, k, v, scale, True, tree=[1, 3])
+
+
+@pytest.mark.slow  # ~100 emulated launches
+def test_a_model_s_tree_rows_through_the_emulated_kernel_are_its_decode_steps(monkeypatch):
+    """A batch-invariant model whose attention runs the emulated Metal kernel (as on a Mac): every row of a
+    tree pass (one kernel launch told the tree) is bit for bit the decode steps along its path (each a
+    1-query launch)."""
+    from metal_emu_util import emulated
+    from mlx_engine import Engine
+    from mlx_engine import kernels as registry
+    from mlx_engine.drafters.tree_draft import host_depths
+    from mlx_engine.target import tree_cache
+    from mlx_engine.target.model import Target
+    import tiny_models
+    from test_kv_quant import WIDE
+
+    launched = emulated(emu_kernel(A, dialect="metal"), A.launch_spec)
+    trees = []
+
+    def kernel(*args, **kw):
+        trees.append(kw.get("tree"))
+        return launched(*args, **kw)
+
+    get, backend = registry.get, registry.backend
+    monkeypatch.setattr(registry, "backend", lambda name: "metal" if name == "batch_attention" else backend(name))
+    monkeypatch.setattr(registry, "get", lambda name: kernel if name == "batch_attention" else get(name))
+    model = tiny_models.build("llama", seed=1, **WIDE)[0]  # head dim 32: the kernel's shapes
+    Engine(model, batch_invariant=True)
+    t = Target(model)
+    tree_cache.install(model)
+    assert tree_cache.install_invariant(model) is None
+    prompt, parents, tokens = [3, 17, 42, 9, 128, 77], [-1, -1, 0, 2], [5, 9, 17, 42]
+    anc = host_ancestors(parents)
+    cache = t.make_cache()
+    t.forward(mx.array(prompt[:-1]), cache)
+    with tree_cache.tree_pass(cache, mx.array(anc), mx.array(host_depths(parents)), A.tree_bits(anc)):
+        logits, _ = t.forward(mx.array([prompt[-1]] + tokens), cache)
+    assert trees.count(A.tree_bits(anc)) == len(model.model.layers)  # one launch per layer, told the tree
+    for r in range(len(tokens) + 1):
+        path, q = [], r - 1
+        while q >= 0:
+            path.append(tokens[q])
+            q = parents[q]
+        steps = t.make_cache()
+        t.forward(mx.array(prompt[:-1]), steps)
+        for tok in [prompt[-1]] + path[::-1]:
+            last, _ = t.forward(mx.array([tok]), steps)
+        assert mx.array_equal(last[-1], logits[r]).item(), f"row {r}"

@@ -1,7 +1,8 @@
 """Token-tree verification (core/tree_verify.py, target/tree_cache.py): a tree pass scores every node as a
 pass over the cache + its own path would, greedy tree output == plain greedy for every family whose cache
 compacts (random, wide and chain trees), the compacted cache equal to a fresh prefill of the kept tokens,
-and the fallback to chains (recurrent caches, batch-invariant passes, a repetition penalty) saying why."""
+batch-invariant tree rows bit for bit the decode steps along their paths, and the fallback to chains
+(recurrent caches, fixed-row passes, batch-invariant MLA, a repetition penalty) saying why."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from mlx_lm.models.cache import KVCache, QuantizedKVCache
 import tiny_models
 from mlx_engine import Engine, GenerationConfig
 from mlx_engine.drafters.tree_draft import host_ancestors, host_depths, walk
+from mlx_engine.kernels import batch_attention as A
 from mlx_engine.sampling import SamplingConfig
 from mlx_engine.target import tree_cache
 from mlx_engine.target.model import Target
@@ -153,12 +155,57 @@ def test_recurrent_caches_fall_back_to_chains_and_say_so():
     assert all(t.parents == list(range(-1, t.size - 1)) for t in engine.drafter.trees)
 
 
-def test_batch_invariant_passes_and_penalties_verify_chains():
+@pytest.fixture(scope="module")
+def invariant_llama():
     model = tiny_models.build("llama", seed=1)[0]  # its own copy: the batch-invariant patch stays on a model
+    Engine(model, batch_invariant=True)
+    return model
+
+
+def test_batch_invariant_tree_rows_are_bit_identical_to_single_steps(invariant_llama):
+    """With the batch-invariant patch, every row of a tree pass equals, bit for bit, the decode steps along
+    its own path from the same cache (the kernels' contract, held for trees)."""
+    model = invariant_llama
+    t = Target(model)
+    tree_cache.install(model)
+    assert tree_cache.install_invariant(model) is None
+    parents = [-1, -1, 0, 0, 2, 1, 4, -1]
+    tokens = [5, 9, 17, 42, 8, 200, 3, 5]
+    anc = host_ancestors(parents)
+    cache = t.make_cache()
+    t.forward(mx.array(PROMPT[:-1]), cache)
+    with tree_cache.tree_pass(cache, mx.array(anc), mx.array(host_depths(parents)), A.tree_bits(anc)):
+        logits, _ = t.forward(mx.array([PROMPT[-1]] + tokens), cache)
+    for r in range(len(tokens) + 1):
+        path, q = [], r - 1
+        while q >= 0:
+            path.append(tokens[q])
+            q = parents[q]
+        steps = t.make_cache()
+        t.forward(mx.array(PROMPT[:-1]), steps)
+        for tok in [PROMPT[-1]] + path[::-1]:
+            last, _ = t.forward(mx.array([tok]), steps)
+        assert mx.array_equal(last[-1], logits[r]).item(), f"row {r}"
+
+
+def test_batch_invariant_engines_verify_trees_and_equal_plain(invariant_llama):
+    model = invariant_llama
     engine = Engine(model, RandomTreeDrafter(model, tiny_models.VOCAB, seed=1), batch_invariant=True)
-    assert "batch-invariant" in engine.trees.off
-    assert generate(engine) == mlx_lm_greedy(model, PROMPT, 48)
-    plain = Engine(target("llama"), RandomTreeDrafter(model, tiny_models.VOCAB, seed=1))
+    assert engine.trees.off is None
+    plain = [t for s in Engine(model, batch_invariant=True).generate(PROMPT, GenerationConfig(max_tokens=48, num_draft=0))
+             for t in s.tokens]
+    paths = []
+    assert generate(engine, k=6, paths=paths) == plain and branched(paths)
+
+
+def test_fixed_rows_mla_and_penalties_verify_chains():
+    fixed = tiny_models.build("llama", seed=1)[0]
+    engine = Engine(fixed, RandomTreeDrafter(fixed, tiny_models.VOCAB, seed=1), batch_invariant="fixed")
+    assert "fixed-row" in engine.trees.off
+    assert generate(engine) == mlx_lm_greedy(fixed, PROMPT, 48)
+    mla = tiny_models.build("deepseek_v3", seed=1)[0]
+    assert "MLA" in Engine(mla, RandomTreeDrafter(mla, tiny_models.VOCAB), batch_invariant=True).trees.off
+    plain = Engine(target("llama"), RandomTreeDrafter(target("llama"), tiny_models.VOCAB, seed=1))
     assert not plain.trees.wanted(None, SamplingConfig(temperature=0.5, repetition_penalty=1.2))
     assert plain.trees.wanted(None, SamplingConfig(temperature=0.5))
 

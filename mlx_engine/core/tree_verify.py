@@ -12,8 +12,10 @@ rejection sampling would accept more often where drafters give probabilities; no
 
 One host read per cycle: the picks of all rows (and, for a device tree, its tokens and parents), then the
 walk on the host. Trees need a cache that compacts (plain or quantized KV caches), no repetition penalty
-(its history differs per branch), and no fixed-row or batch-invariant pass; otherwise `off` says why and
-the drafter's best chain is verified as before.
+(its history differs per branch), and no fixed-row pass; otherwise `off` says why and the drafter's best
+chain is verified as before. Batch-invariant (`kernels`) passes verify trees too, each row bit for bit the
+decode step at its position (target/tree_cache.py); a device tree's shape is then read before the pass
+(a second host read per cycle).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import mlx.core as mx
 from .. import host
 from ..drafters.base import Verdict
 from ..drafters.tree_draft import TokenTree, host_ancestors, host_depths, walk
+from ..kernels.batch_attention import tree_bits
 from ..sampling import SamplingConfig, probabilities, process_logits, sample
 from ..target import tree_cache
 
@@ -42,10 +45,9 @@ class Trees:
         """Why this engine verifies no trees (None: it does)."""
         if self._off is False:
             e = self.engine
-            if e.max_rows is not None:
-                self._off = "batch-invariant passes verify chains only"
-            else:
-                self._off = tree_cache.unsupported(e.target.make_cache(), e.target.model)
+            self._off = tree_cache.unsupported(e.target.make_cache(), e.target.model)
+            if self._off is None and e.max_rows is not None:
+                self._off = tree_cache.install_invariant(e.target.model)
         return self._off
 
     def wanted(self, member: str | None, sampling: SamplingConfig) -> bool:
@@ -70,8 +72,15 @@ class Trees:
             depths = mx.array(host_depths(tree.parents), dtype=mx.int32)
         else:
             ancestors, depths = tree.ancestors, tree.depths
+        bits = None
+        if e.max_rows is not None:  # batch-invariant passes: each row's visible rows, on the host
+            if tree.on_host:
+                bits = tree_bits(host_ancestors(tree.parents))
+            else:
+                flat = host.read(ancestors.astype(mx.int32).reshape(-1))
+                bits = tree_bits([flat[r * (n + 1) : (r + 1) * (n + 1)] for r in range(n + 1)])
         inputs = mx.concatenate([mx.array([e._last], dtype=mx.int32), tree.tokens.astype(mx.int32)])
-        with tree_cache.tree_pass(e.cache, ancestors, depths):
+        with tree_cache.tree_pass(e.cache, ancestors, depths, bits):
             logits, hidden = e.target.forward(inputs, e.cache, want_hidden)
         if profile:
             t = time.perf_counter()

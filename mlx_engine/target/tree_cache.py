@@ -21,13 +21,20 @@ kept) and rotating windows cannot: `unsupported` says why, and the engine drafts
 from __future__ import annotations
 
 import contextlib
+import sys
 from contextvars import ContextVar
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
+from .. import kernels
+from ..kernels.batch_attention import supported as attention_supported
+from .fixed_rows import fixed_rows
+from .mla import is_deepseek_mla
+
 _positions: ContextVar = ContextVar("mlx_engine_tree_positions", default=None)
+_bits: ContextVar = ContextVar("mlx_engine_tree_bits", default=None)  # per row: the rows it sees (host ints)
 
 
 def _is_rope(module) -> bool:
@@ -69,19 +76,59 @@ def unsupported(caches: list, model: nn.Module | None = None) -> str | None:
     return None
 
 
+def install_invariant(model: nn.Module) -> str | None:
+    """Make a batch-invariant model's tree passes invariant (see the module docstring); why not, or None."""
+    if fixed_rows(model) is not None:
+        return "fixed-row passes verify chains only"
+    if any(is_deepseek_mla(m) for _, m in model.named_modules()):
+        return "batch-invariant MLA attention verifies chains only (its rope scores ride in the mask)"
+    for name in {type(m).__module__ for _, m in model.named_modules()}:
+        mod = sys.modules.get(name)
+        inner = getattr(mod, "scaled_dot_product_attention", None)
+        if inner is not None and getattr(inner, "_mlx_engine_batch_invariant", False) \
+                and not getattr(inner, "_mlx_engine_tree", False):
+            mod.scaled_dot_product_attention = _tree_attention(inner)
+    return None
+
+
+def _tree_attention(inner):
+    def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, **kw):
+        bits = _bits.get()
+        L = queries.shape[2]
+        if bits is None or len(bits) != L or kw or queries.shape[0] != 1:
+            return inner(queries, keys, values, cache=cache, scale=scale, mask=mask, **kw)
+        if kernels.backend("batch_attention") != "reference" and attention_supported(queries, keys, values):
+            return kernels.get("batch_attention")(queries, keys, values, scale, True, tree=bits)
+        P = keys.shape[2] - L
+        rows = []
+        for i, b in enumerate(bits):  # the decode step's own call: one query over exactly its keys
+            idx = mx.array(list(range(P)) + [P + t for t in range(L) if (b >> t) & 1], dtype=mx.int32)
+            rows.append(inner(queries[:, :, i : i + 1], mx.take(keys, idx, axis=2), mx.take(values, idx, axis=2),
+                              cache=cache, scale=scale, mask=None))
+        return mx.concatenate(rows, axis=2)
+
+    scaled_dot_product_attention._mlx_engine_batch_invariant = True
+    scaled_dot_product_attention._mlx_engine_tree = True
+    scaled_dot_product_attention.original = getattr(inner, "original", inner)
+    return scaled_dot_product_attention
+
+
 @contextlib.contextmanager
-def tree_pass(caches: list, ancestors: mx.array, depths: mx.array):
+def tree_pass(caches: list, ancestors: mx.array, depths: mx.array, bits: list[int] | None = None):
     """While inside: a forward over the L rows of a tree (row 0 the root) attends by `ancestors` [L, L] bool
-    (row r sees row c) after every cached token, row r at position P + depths[r]."""
+    (row r sees row c) after every cached token, row r at position P + depths[r]. bits: the same as host
+    ints (kernels/batch_attention.py `tree`), for batch-invariant passes."""
     P = caches[0].offset
     L = ancestors.shape[0]
     mask = mx.concatenate([mx.ones((L, P), dtype=mx.bool_), ancestors], axis=1) if P else ancestors
     for c in caches:
         c.make_mask = lambda *a, **kw: mask  # an instance attribute: it hides the class's method
     token = _positions.set((depths + P).astype(mx.int32))
+    bits_token = _bits.set(bits)
     try:
         yield
     finally:
+        _bits.reset(bits_token)
         _positions.reset(token)
         for c in caches:
             del c.make_mask
