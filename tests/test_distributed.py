@@ -50,6 +50,8 @@ def runs(prompt=PROMPT, extra=()):
          "close_after": 3},
         {"name": "closed_plain", "drafter": "none", "num_draft": 0, "prompt": prompt, "max_tokens": 30,
          "close_after": 4},
+        {"name": "closed_first", "drafter": "draft", "num_draft": 3, "prompt": prompt, "max_tokens": 30,
+         "close_after": 1},
         {"name": "after_close", "drafter": "draft", "num_draft": 3, "prompt": prompt + [3, 4], "max_tokens": 16,
          "one_process": True},
     ]
@@ -89,7 +91,7 @@ def test_every_rank_commits_the_same_tokens(result):
     for name, entry in r0["runs"].items():
         if not name.startswith("closed"):  # (those: test_a_generation_closed_early_leaves_the_ranks_in_step)
             assert entry["tokens"] == r1["runs"][name]["tokens"], name
-        assert len(entry["tokens"]) > 1, name
+            assert len(entry["tokens"]) > 1, name
 
 
 def test_greedy_speculative_equals_plain_decoding_of_the_same_sharding(result):
@@ -171,8 +173,8 @@ def test_collectives_are_the_models_plus_one_per_cycle(result):
 
 def test_a_generation_closed_early_leaves_the_ranks_in_step(result):
     (r0, r1), _ = result
-    for name in ("closed_cycle", "closed_plain"):
-        assert r0["runs"][name]["steps"] == (3 if name == "closed_cycle" else 4)
+    for name, steps in (("closed_cycle", 3), ("closed_plain", 4), ("closed_first", 1)):
+        assert r0["runs"][name]["steps"] == steps
         assert r1["runs"][name]["tokens"][: len(r0["runs"][name]["tokens"])] == r0["runs"][name]["tokens"]
     after = r0["runs"]["after_close"]
     assert after["tokens"] == r1["runs"]["after_close"]["tokens"]
