@@ -1,15 +1,15 @@
 """A stretch of plainly decoded tokens over a sharded target, pipelined as core/engine.py's `_plain`.
 
-Every rank builds the same steps: step i+1 is put on the device before token i is read. Rank 0 samples
-each token and shares it in a plain-token packet (packets.py) that every rank's next step takes as its
-input, lazily: one collective per token beside the model's, one host read per token on every rank.
+Every rank builds the same steps: step i+1's pass is built and started before token i is read. Rank 0
+samples each token and shares it in a plain-token packet (packets.py) that every rank's next step takes as
+its input, lazily: one collective per token beside the model's, one host read per token on every rank.
 
-Who builds which step: a follower builds step i+1 before it reads token i, so it must know one step in
-advance that rank 0 will build it. Rank 0's packet of step j therefore promises step j+2 (the announced
-stretch length promises steps 0 and 1). A stop rank 0 alone decides (its drafter has a draft again, the
-consumer of the generation left) takes effect after the steps already promised: those are still built
-and read on every rank (at most two more tokens). End of sequence and max_tokens end the stretch on every
-rank at the same token, as they decide alike.
+Who builds which step: a follower builds step i+1 before it reads token i, so it must know in advance that
+rank 0 will build it. Rank 0's packet of step j promises step j+2 (the announced stretch length promises
+steps 0 and 1); rank 0 fills the packet in after reading token j-1 (the pass itself is started before), so
+a stop it alone decides after token i (its drafter has a draft again, the consumer of the generation left)
+ends the stretch after step i+2: one token later than on one machine. Steps promised are still built and
+read on every rank. End of sequence and max_tokens end the stretch on every rank at the same token.
 """
 
 from __future__ import annotations
@@ -39,11 +39,15 @@ class Stretch:
         self.no_draft = _no_draft()
 
     # -- one step ---------------------------------------------------------------------------------
-    def _step(self, inputs: mx.array, window: mx.array, j: int):
-        """Build step j: feed inputs; -> (its token [1], its packet, window, hidden rows or None)."""
+    def _forward(self, inputs: mx.array, window: mx.array):
+        """Build and start a step's pass. -> (logits, penalty window, hidden rows or None)."""
+        logits, hidden = self.e.target.forward(inputs, self.e.cache, self.want_hidden)
+        host.start(logits)  # its collectives now, before the packet's, on every rank
+        return logits, mx.concatenate([window, inputs[-1:]])[-self.width :], hidden
+
+    def _packet(self, logits: mx.array, window: mx.array, j: int) -> mx.array:
+        """Step j's packet: rank 0's token and its promise of step j+2 (decided now, after the last read)."""
         e, sampling = self.e, self.cfg.sampling
-        logits, hidden = e.target.forward(inputs, e.cache, self.want_hidden)
-        window = mx.concatenate([window, inputs[-1:]])[-self.width :]
         key = e._next_key()  # every rank draws its keys in step (only rank 0's are used)
         value = None
         if self.leader:
@@ -55,28 +59,28 @@ class Stretch:
             value = mx.concatenate([token, mx.array([int(promise), int(self.closing), 0], dtype=mx.int32)])
         with e.collective("token"):
             packet = share(e.group, value, TOKEN_WIDTH, after=[logits])
+        host.start(packet)
         self.built = j
-        return packet[0:1], packet, window, hidden
+        return packet
 
     def start(self) -> None:
         e = self.e
         first = e._replay + [e._last]
         e._replay = []
         window = mx.array(e._history[:-1][-self.width :], dtype=mx.int32)
-        self.token, self.packet, self.window, self.hidden = self._step(mx.array(first, dtype=mx.int32), window, 0)
+        logits, self.window, self.hidden = self._forward(mx.array(first, dtype=mx.int32), window)
+        self.packet = self._packet(logits, self.window, 0)
         e.held.fed(first, self.hidden)
-        host.start(self.packet)
 
     def advance(self, emit: bool) -> tuple[list[int], bool, bool]:
-        """Build the next step if promised, read the current token, keep the books.
-        -> (tokens emitted, stopped by a stop token, the stretch is over)."""
+        """Start the next step's pass if promised, read the current token, keep the books, then the next
+        step's packet. -> (tokens emitted, stopped by a stop token, the stretch is over)."""
         e, i, stats = self.e, self.i, self.e.stats
         t_cycle = time.perf_counter()
         current, current_hidden = self.packet, self.hidden
         build = i + 1 <= self.promised
         if build:
-            self.token, self.packet, self.window, self.hidden = self._step(self.token, self.window, i + 1)
-            host.start(self.packet)
+            logits, window, hidden = self._forward(current[0:1], self.window)
         t_sync = time.perf_counter()
         e.guard.beat(f"decoding plain token {stats.generated + 1} (its collectives and rank 0's token)")
         tok, promise, closing, _ = host.read(current)  # the token's one host synchronisation
@@ -90,7 +94,9 @@ class Stretch:
             if self.until is not None and not self.stopping and i + 2 < self.n and self.until():
                 self.stopping = True  # a member has a draft: no more promises
         if build:
-            e.held.fed([tok], self.hidden)
+            self.packet = self._packet(logits, window, i + 1)
+            self.window, self.hidden = window, hidden
+            e.held.fed([tok], hidden)
         e._last = tok
         emitted, stopped = e._emit([tok], self.cfg) if emit else ([tok], tok in self.cfg.stop_tokens)
         stats.record_cycle(0, 0, len(emitted))
