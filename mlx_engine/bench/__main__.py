@@ -12,6 +12,10 @@ def main(argv=None) -> int:
         from .invariance import main as invariance_main  # a device property: reported, not tested
 
         return rc or invariance_main()
+    if argv[:1] == ["distributed"]:
+        from .distributed import main as distributed_main
+
+        return distributed_main(argv[1:])
     from .suite import main as suite_main
 
     return suite_main(argv)
