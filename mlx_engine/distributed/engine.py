@@ -107,17 +107,19 @@ class DistributedEngine(Engine):
         return self._generate(prompt, cfg)
 
     def _generate(self, prompt, cfg):
-        if self.leader and self.serving:
-            from .follow import send_job
-
-            send_job(self, prompt, cfg)
-        cfg = self._local_config(cfg)
         self._reset()
         before = counting.snapshot()
-        inner = super().generate(prompt, cfg)
         self.guard.arm()
+        inner = None
         ended = False  # the followers know the generation is over (natural end, or told)
         try:
+            if self.leader and self.serving:
+                from .follow import send_job
+
+                self.guard.beat("announcing the request to the other ranks")
+                send_job(self, prompt, cfg)
+            cfg = self._local_config(cfg)
+            inner = super().generate(prompt, cfg)
             while True:
                 try:
                     step = next(inner)
@@ -137,10 +139,11 @@ class DistributedEngine(Engine):
             self._fault(e)
         finally:
             try:
-                if not ended and self.leader:
+                if not ended and self.leader and inner is not None:
                     self._end(cfg, closed=False)
             finally:
-                inner.close()
+                if inner is not None:
+                    inner.close()
                 self.guard.disarm()
                 self.last_collectives = counting.since(before)
                 self.stats = with_collectives(self.stats, self.size, self.last_collectives)
