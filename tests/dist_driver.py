@@ -88,7 +88,7 @@ def main() -> int:
         s = engine.stats
         entry = {"tokens": tokens, "collectives": engine.last_collectives, "reads": host.counts["read"] - reads0,
                  "cycles": s.cycles, "drafted": s.drafted, "accepted": s.accepted, "steps": steps,
-                 "generated": s.generated}
+                 "generated": s.generated, "target_key": engine._target_key.tolist()}  # where its key sequence is
         if rank == 0 and run.get("one_process"):
             ref = Engine(one.model, make_drafter(spec, kind, one) if kind != "none" else None)
             ref_tokens = [t for st in ref.generate(run["prompt"], config(run)) for t in st.tokens]

@@ -139,6 +139,8 @@ def test_temperature_draws_the_same_numbers_on_every_rank(result):
     (r0, r1), mode = result
     a, b = r0["runs"]["sampled"], r0["runs"]["sampled_again"]
     assert a["tokens"] == r1["runs"]["sampled"]["tokens"]
+    for name in ("sampled", "sampled_again", "draft"):  # every rank's key sequence went as far as rank 0's
+        assert r0["runs"][name]["target_key"] == r1["runs"][name]["target_key"], name
     assert a["drafted"] > 0 and a["tokens"] != r0["runs"]["plain"]["tokens"][: len(a["tokens"])]
     if mode == "pipeline":
         assert a["tokens"] == a["one_process"]
