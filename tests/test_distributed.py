@@ -39,6 +39,8 @@ def runs(prompt=PROMPT, extra=()):
         {"name": "draft", "drafter": "draft", "num_draft": 3, "prompt": prompt, "max_tokens": 24, "one_process": True},
         {"name": "draft_auto", "drafter": "draft", "num_draft": "auto", "prompt": prompt, "max_tokens": 40},
         {"name": "ngram", "drafter": "ngram", "num_draft": 4, "prompt": prompt, "max_tokens": 24},
+        # suffix trees: drafted as trees on one machine, verified here as the best chain (trees.off says why)
+        {"name": "suffix", "drafter": "suffix", "num_draft": 4, "prompt": prompt, "max_tokens": 24},
         {"name": "sampled", "drafter": "draft", "num_draft": 3, "temp": 0.8, "seed": 7, "prompt": [5, 6, 7, 8, 9],
          "max_tokens": 24, "one_process": True},
         {"name": "sampled_again", "drafter": "draft", "num_draft": 2, "temp": 0.8, "seed": 7,
@@ -98,7 +100,7 @@ def test_greedy_speculative_equals_plain_decoding_of_the_same_sharding(result):
     (r0, _), _ = result
     runs_ = r0["runs"]
     plain = runs_["plain"]["tokens"]
-    for name in ("draft", "ngram"):
+    for name in ("draft", "ngram", "suffix"):
         assert runs_[name]["tokens"] == plain, name
     assert runs_["draft_auto"]["tokens"][: len(plain)] == plain
     assert runs_["draft"]["drafted"] > 0 and runs_["ngram"]["drafted"] > 0
