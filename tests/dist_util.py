@@ -89,7 +89,7 @@ def launch(argv: list[str], n: int = 2, timeout: float = 120, env: dict | None =
         return result
 
 
-def mlx_launch(argv: list[str], n: int = 2, timeout: float = 120, env: dict | None = None) -> subprocess.CompletedProcess:
+def mlx_launch(argv: list[str], n: int = 2, timeout: float = 120, env: dict | None = None):
     """`mlx.launch -n N --backend ring -- python argv...`, the user's command line (outputs merged)."""
     port = free_ports(1)[0]
     envs = sum((["--env", f"{k}={v}"] for k, v in (env or {}).items()), [])
@@ -110,7 +110,7 @@ def save_noisy_copy(src: Path, dst: Path, scale: float = 0.05, seed: int = 0) ->
 
     model, config = load_model(Path(src), strict=False)
     mx.random.seed(seed)
-    noisy = [(k, v + scale * v.abs().mean() * mx.random.normal(v.shape)) if mx.issubdtype(v.dtype, mx.floating) else (k, v)
+    noisy = [(k, v + scale * v.abs().mean() * mx.random.normal(v.shape) if mx.issubdtype(v.dtype, mx.floating) else v)
              for k, v in tree_flatten(model.parameters())]
     model.update(tree_unflatten(noisy))
     dst.mkdir(parents=True, exist_ok=True)

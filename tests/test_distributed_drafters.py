@@ -5,7 +5,6 @@ drafters a sharding cannot serve are refused with the reason."""
 
 import json
 
-import mlx.core as mx
 import pytest
 
 import tiny_models
@@ -42,7 +41,8 @@ def features_run(tmp_path_factory):
     model = save_tiny(root / "llama6", "llama", seed=0, num_hidden_layers=6)
     cfg = json.loads((model / "config.json").read_text())
     write_eagle3(root / "eagle3", cfg, seed=6, draft_vocab=100)
-    write_dflash(root / "dflash", cfg["hidden_size"], cfg["vocab_size"], layer_ids=(1, 4), mask_token_id=cfg["vocab_size"] - 1)
+    write_dflash(root / "dflash", cfg["hidden_size"], cfg["vocab_size"], layer_ids=(1, 4),
+                 mask_token_id=cfg["vocab_size"] - 1)
     common = {"prompt": PROMPT, "max_tokens": 20, "one_process": True}
     spec = {"model": str(model), "mode": "tensor", "eagle3": str(root / "eagle3"), "dflash": str(root / "dflash"),
             "timeout": 30, "runs": [
@@ -139,4 +139,3 @@ def test_tensor_split_that_does_not_divide_the_heads_is_refused():
     _check_tensor_split({"num_attention_heads": 4, "num_key_value_heads": 2}, 2)
     with pytest.raises(DistributedError, match="num_attention_heads \\(9\\) is not divisible by the 2"):
         _check_tensor_split({"num_attention_heads": 9, "num_key_value_heads": 3}, 2)
-    mx.eval(mx.zeros(1))

@@ -117,7 +117,10 @@ def worker(spec: dict, out: Path) -> int:
         drafter = None
         if mode == "spec" and rank == 0:
             drafter = make_drafter(spec["drafter"], loaded, DrafterOptions(draft_model=spec.get("draft_model")))
-        engines[mode] = DistributedEngine(loaded.model, drafter, group=group) if n > 1 else Engine(loaded.model, drafter)
+        if n > 1:
+            engines[mode] = DistributedEngine(loaded.model, drafter, group=group)
+        else:
+            engines[mode] = Engine(loaded.model, drafter)
     k = spec["num_draft"]
     results = {"plain": [], "spec": []}
     for trial in range(spec["trials"] + 1):  # the first: a warm-up, not kept
@@ -187,7 +190,8 @@ def summarize(n: int, delay: float, mode: str, trials: list[dict], plain: list[d
 
 
 def print_rows(rows: list[dict]) -> None:
-    print(f"\n{'procs':>5} {'delay ms':>8} {'mode':>6} {'tok/s':>8} {'coll/tok':>8} {'E':>5} {'accept':>6} {'vs plain':>8}")
+    print(f"\n{'procs':>5} {'delay ms':>8} {'mode':>6} {'tok/s':>8} {'coll/tok':>8} {'E':>5} {'accept':>6} "
+          f"{'vs plain':>8}")
     for r in rows:
         sp = f"{r['speedup']:.2f}x" if "speedup" in r else "-"
         print(f"{r['processes']:>5} {r['link_delay_ms']:>8g} {r['mode']:>6} {r['tok_s']:>8.1f} "

@@ -38,7 +38,7 @@ from ..drafters.base import Draft, Verdict
 from . import counting, packets
 from .group import EXIT_FAULT, DistributedError, init, timeout_seconds
 from .guard import Guard
-from .loading import drafter_refusal, pipeline_stage
+from .loading import drafter_refusal
 from .packets import CONTROL_WIDTH, KMAX, Control, Ended, control, read_control, share
 from .plain import Stretch
 from .rollback import check_rollback_paths
@@ -179,7 +179,8 @@ class DistributedEngine(Engine):
                 return
             if not closed:
                 return  # a natural end after a plain token or the prompt: theirs too
-            natural = self.stats.generated >= cfg.max_tokens or (self._history and self._history[-1] in cfg.stop_tokens)
+            natural = (self.stats.generated >= cfg.max_tokens
+                       or bool(self._history and self._history[-1] in cfg.stop_tokens))
             stretch = self._stretch
             if stretch is not None and stretch.live:
                 built, natural = stretch.drain()
