@@ -36,6 +36,23 @@ def hybrid_run(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def hybrid_tensor_run(tmp_path_factory):
+    """qwen3_5 under tensor sharding: its GatedDeltaNet layers, sharded, keep no per-token states, so a
+    rejected draft rolls them back to a snapshot and the kept tokens are replayed in a pass of their own."""
+    root = tmp_path_factory.mktemp("dist_qwen35_tensor")
+    model = write_checkpoint(root / "q35", "qwen3_5", seed=3)
+    draft = save_noisy_copy(model, root / "q35-draft", scale=0.05)
+    common = {"prompt": PROMPT, "max_tokens": 24, "one_process": True}
+    spec = {"model": str(model), "mode": "tensor", "draft_model": str(draft), "timeout": 30, "runs": [
+        {"name": "plain", "drafter": "none", "num_draft": 0, **common},
+        {"name": "draft", "drafter": "draft", "num_draft": 3, **common},
+    ]}
+    ranks, out = run_spec(root / "out", spec)
+    check_ok(ranks)
+    return out
+
+
+@pytest.fixture(scope="module")
 def features_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("dist_features")
     model = save_tiny(root / "llama6", "llama", seed=0, num_hidden_layers=6)
@@ -70,6 +87,19 @@ def test_mtp_and_a_draft_model_on_a_hybrid_pipeline_equal_one_process(hybrid_run
     draft = r0["runs"]["draft"]
     assert 0 < draft["accepted"] < draft["drafted"]  # recurrent states rolled back per rank after partial accepts
     assert r0["runs"]["mtp_sampled"]["accepted"] > 0
+
+
+def test_replayed_rollbacks_under_tensor_sharding(hybrid_tensor_run):
+    """The control packet goes ahead of each replay pass (its drafts in a second packet): every rank replays
+    the same kept tokens, and the output is plain decoding's."""
+    r0, r1 = hybrid_tensor_run
+    plain, draft = r0["runs"]["plain"], r0["runs"]["draft"]
+    assert draft["tokens"] == plain["tokens"] == r1["runs"]["draft"]["tokens"]
+    assert 0 < draft["accepted"] < draft["drafted"]
+    assert draft["collectives"]["decision"] > draft["cycles"] + 1  # the replay cycles' second packets
+    for entry in (plain, draft):
+        if entry["tokens"] != entry["one_process"]:
+            assert entry["gap"]["gap"] < 1e-4, entry["gap"]
 
 
 def test_feature_drafters_on_a_tensor_sharded_target(features_run):
