@@ -159,7 +159,7 @@ def test_batch_cache_rows_match_single_caches():
 
 
 @pytest.mark.cpu_exact
-def test_batched_mtp_drafts_what_a_head_per_row_drafts(tmp_path_factory):
+def test_batched_mtp_drafts_what_a_head_per_row_drafts(tmp_path_factory, monkeypatch):
     """One head pass for all rows (drafters/mtp/batched.py) proposes, step by step, exactly the drafts of
     a separate MTP drafter per row, with rows joining and leaving, and the outputs equal alone."""
     folder = make(tmp_path_factory, "deepseek_v3")
@@ -184,14 +184,16 @@ def test_batched_mtp_drafts_what_a_head_per_row_drafts(tmp_path_factory):
 
             engine.batched.propose = record
         else:
-            per_row = engine._propose
+            from mlx_engine.core.batch_sequence import RunningSequence
+
+            per_row = RunningSequence.propose
 
             def record(s, k):
                 d = per_row(s, k)
                 log.append((s.id, d.tokens.tolist()))
                 return d
 
-            engine._propose = record
+            monkeypatch.setattr(RunningSequence, "propose", record)
         got, _ = run(engine, reqs, joins={2: [2], 4: [3]})
         for i, (p, n, _) in reqs.items():
             assert got[i] == alone(model, p, n)

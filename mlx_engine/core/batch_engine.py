@@ -31,21 +31,21 @@ import copy
 import time
 
 import mlx.core as mx
-from mlx.utils import tree_flatten, tree_map
+from mlx.utils import tree_map
 
 from .. import host
-from ..drafters.base import Draft, Verdict, hidden_request
+from ..drafters.base import Verdict, hidden_request
 from ..drafters.mtp.batched import BatchedMTP, batchable_mtp
 from ..sampling import SamplingConfig
 from ..target import prefix_cache as prefix_ops
 from ..target.batch_cache import BatchKVCache, append_sequence, batchable
-from ..target.cache import check_kv_quantization
+from ..target.cache import check_kv_quantization, kv_bytes
 from ..target.fixed_rows import make_invariant_batches
 from ..target.model import Target
 from . import invariance_default
 from .batch_policy import BatchPolicy, FixedBatchPolicy
 from .batch_prefill import Prefilling, PrefillQueue
-from .batch_sequence import Output, RunningSequence
+from .batch_sequence import Output, RunningSequence, padded
 from .context import check_context
 from .memory import MemoryBudget
 from .verify import choose_row
@@ -116,7 +116,7 @@ class BatchEngine:
     def kv_bytes(self) -> int:
         """Bytes of the batch's KV caches, the waiting sequences' and the prefix tree's."""
         n = sum(a.nbytes for bc in self.cache for a in bc.state)
-        n += sum(a.nbytes for p in self.prefills.waiting for c in p.cache for a in _arrays(c))
+        n += sum(kv_bytes(p.cache) for p in self.prefills.waiting)
         return n + (self.prefix_cache.nbytes if self.prefix_cache is not None else 0)
 
     def check(self, prompt: list[int], max_tokens: int = 1) -> None:
@@ -289,7 +289,7 @@ class BatchEngine:
             keys = [s.next_key() if ki else mx.random.key(0) for s, ki in zip(self.seqs, ks)]
             drafts = self.batched.propose(k, [s.sampling for s in self.seqs], keys)
         elif k > 0:
-            drafts = [self._padded(self._propose(s, ki) if ki else None, k, s.last) for s, ki in zip(self.seqs, ks)]
+            drafts = [padded(s.propose(ki) if ki else None, k, s.last) for s, ki in zip(self.seqs, ks)]
         else:
             drafts = None
         last = mx.array([[s.last] for s in self.seqs], dtype=mx.int32)
@@ -326,7 +326,7 @@ class BatchEngine:
             if h is not None:
                 s.hidden_rows.append(h[: n + 1])
             real = min(getattr(drafts[i], "n_real", k), ki) if ki > 0 else 0
-            emitted, reason = self._emit(s, tokens)
+            emitted, reason = s.emit(tokens)
             if ki > 0:
                 s.verifies += 1
                 s.verified_tokens += len(emitted)
@@ -350,48 +350,3 @@ class BatchEngine:
         cap = self.max_k if s.max_draft is None else min(s.max_draft, self.max_k)
         limit = s.drafter.max_draft() if s.drafter is not None and cap > 0 else None
         return min(cap, limit) if limit is not None else cap
-
-    def _propose(self, s: RunningSequence, k: int) -> Draft:
-        d = s.drafter.propose(k, s.sampling, s.next_key())
-        n = d.tokens.shape[0]
-        if n == k:
-            return d
-        # a drafter that found fewer than k (prompt lookup): pad with copies of the last token. Lossless:
-        # a padded draft is checked like any other (accepted only where the target agrees)
-        pad = mx.full((k - n,), s.last, dtype=mx.int32)
-        out = Draft(mx.concatenate([d.tokens.astype(mx.int32), pad]), None)
-        object.__setattr__(out, "n_real", n)
-        return out
-
-    @staticmethod
-    def _padded(d: Draft | None, k: int, last: int) -> Draft:
-        """A row's draft (None: it drafted nothing) padded to the pass's k with copies of its last token;
-        the acceptance rule reads only the row's own drafts, so the padding is never emitted."""
-        n = d.tokens.shape[0] if d is not None else 0
-        if n == k:
-            return d
-        tokens = mx.full((k - n,), last, dtype=mx.int32)
-        if d is not None:
-            tokens = mx.concatenate([d.tokens.astype(mx.int32), tokens])
-        out = Draft(tokens, d.probs if d is not None else None)
-        object.__setattr__(out, "n_real", min(getattr(d, "n_real", n), n) if d is not None else 0)
-        return out
-
-    @staticmethod
-    def _emit(s: RunningSequence, tokens: list[int]) -> tuple[list[int], str | None]:
-        tokens = tokens[: s.max_tokens - s.generated]
-        reason = None
-        for i, t in enumerate(tokens):
-            if t in s.stop_tokens:
-                tokens, reason = tokens[: i + 1], "stop"
-                break
-        s.generated += len(tokens)
-        s.history += tokens
-        if reason is None and s.generated >= s.max_tokens:
-            reason = "length"
-        return tokens, reason
-
-
-def _arrays(c) -> list:
-    """The arrays of a single-sequence layer cache (a quantized cache's keys are triples)."""
-    return [a for _, a in tree_flatten((c.keys, c.values)) if a is not None] if c.keys is not None else []

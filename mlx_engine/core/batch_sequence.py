@@ -1,4 +1,5 @@
-"""The batch engine's per-sequence records: a running sequence's state and figures, and a step's output."""
+"""The batch engine's per-sequence records: a running sequence's state, its drafts and emitted tokens, its
+figures, and a step's output."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
+from ..drafters.base import Draft
 from ..sampling import SamplingConfig
 
 
@@ -50,6 +52,33 @@ class RunningSequence:
         self.key, k = mx.random.split(self.key)
         return k
 
+    def propose(self, k: int) -> Draft:
+        """k drafts from the row's own drafter. One that found fewer (prompt lookup) is padded with copies of
+        the last token: lossless, a padded draft is checked like any other (kept only where the target
+        agrees); `n_real` says how many were drafted."""
+        d = self.drafter.propose(k, self.sampling, self.next_key())
+        n = d.tokens.shape[0]
+        if n == k:
+            return d
+        pad = mx.full((k - n,), self.last, dtype=mx.int32)
+        out = Draft(mx.concatenate([d.tokens.astype(mx.int32), pad]), None)
+        object.__setattr__(out, "n_real", n)
+        return out
+
+    def emit(self, tokens: list[int]) -> tuple[list[int], str | None]:
+        """Take a verdict's tokens, cut at max_tokens and after a stop token. -> (tokens, why it ended or None)."""
+        tokens = tokens[: self.max_tokens - self.generated]
+        reason = None
+        for i, t in enumerate(tokens):
+            if t in self.stop_tokens:
+                tokens, reason = tokens[: i + 1], "stop"
+                break
+        self.generated += len(tokens)
+        self.history += tokens
+        if reason is None and self.generated >= self.max_tokens:
+            reason = "length"
+        return tokens, reason
+
     def stats(self, num_draft) -> dict:
         d, a, v, g = self.drafted, self.accepted, self.verifies, self.generated
         return {
@@ -61,3 +90,17 @@ class RunningSequence:
             # the names of core/stats.py's SpecStats, for callers that read those
             "cycles": v, "generated": g, "decode_time": self.decode_time,
         }
+
+
+def padded(d: Draft | None, k: int, last: int) -> Draft:
+    """A row's draft (None: it drafted nothing) padded to the pass's k with copies of its last token; the
+    acceptance rule reads only the row's own drafts, so the padding is never emitted."""
+    n = d.tokens.shape[0] if d is not None else 0
+    if n == k:
+        return d
+    tokens = mx.full((k - n,), last, dtype=mx.int32)
+    if d is not None:
+        tokens = mx.concatenate([d.tokens.astype(mx.int32), tokens])
+    out = Draft(tokens, d.probs if d is not None else None)
+    object.__setattr__(out, "n_real", min(getattr(d, "n_real", n), n) if d is not None else 0)
+    return out
