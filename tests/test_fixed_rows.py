@@ -134,6 +134,16 @@ def test_bad_arguments_are_refused():
     assert PLANS == ("stock", "stock-linears", "kernels")
 
 
+def test_a_second_engine_over_a_fixed_row_model_keeps_its_plan():
+    """Two engines over one model in fixed mode (plain beside n-gram, as the GPU bench builds them): the
+    second keeps the first one's patch and plan instead of refusing the model (seen on the H200)."""
+    model = build("llama", 4)
+    first = Engine(model, batch_invariant="fixed")
+    plan = fixed_rows_plan(model)
+    second = Engine(model, NgramDrafter(), batch_invariant="fixed")
+    assert first.max_rows == second.max_rows == 16 and fixed_rows_plan(model) == plan
+
+
 @pytest.mark.parametrize("plan", ["kernels", "auto"])
 @pytest.mark.parametrize("family,bits", [("llama", 4), ("deepseek_v3", 4)])
 def test_speculative_greedy_equals_plain_with_drafts_capped_at_rows_minus_one(family, bits, plan):

@@ -158,7 +158,8 @@ def make_invariant(model: nn.Module, mode) -> int | None:
     if mode in (True, "kernels"):
         make_batch_invariant(model)
     elif mode == "fixed":
-        make_fixed_rows(model)
+        if fixed_rows(model) is None:  # a second engine over the same model keeps its plan
+            make_fixed_rows(model)
     elif mode not in (None, False, "off"):
         raise ValueError(f"batch-invariant mode must be off, kernels or fixed, not {mode!r}")
     rows = fixed_rows(model)
