@@ -5,6 +5,8 @@
 #   source .gpu/setup.sh; bash scripts/gpu/final_round.sh 2   # greedy and fixed-row tests, qmm bands, the GPU suite
 #   source .gpu/setup.sh; bash scripts/gpu/final_round.sh 3   # MLA + MoE verify table (deepseek_v3 classes), batch-engine invariance
 #   source .gpu/setup.sh; bash scripts/gpu/final_round.sh 4   # the batch engine's step, 4 sequences, stock and fused
+#   source .gpu/setup.sh; bash scripts/gpu/final_round.sh short # parts 1 and 4 cut to fit one call (~9 min) of a
+#                                                               # 15-minute device budget: the fixed-row verdict first
 set -u
 PART=${1:-1}
 step() { local name=$1 limit=$2; shift 2; echo "== $name" | tee -a $OUT/summary.log
@@ -12,7 +14,13 @@ step() { local name=$1 limit=$2; shift 2; echo "== $name" | tee -a $OUT/summary.
   echo "   rc=$rc $(( $(date +%s) - t0 )) s" | tee -a $OUT/summary.log; tail -${TAILN:-25} $OUT/$name.log; }
 N8=$(python3 -c "import xdist" 2>/dev/null && echo "-n 8")
 python3 -c "from mlx_engine import kernels; print(kernels.describe())" 2>&1 | tail -3
-if [ "$PART" = 1 ]; then
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null | tee -a $OUT/summary.log
+if [ "$PART" = short ]; then
+  TAILN=30 step verify_llama 200 python3 -m mlx_engine.bench verify --shape llama-8b --prefill 512 --trials 5 --fixed-plans auto,stock
+  TAILN=30 step e2e 150 python3 scripts/gpu/verify_speed.py --out $OUT --only e2e2
+  TAILN=20 step verify_moe 75 python3 -m mlx_engine.bench verify --shape qwen3-30b-a3b --shape-layers 12 --prefill 512 --trials 5 --max-len 8 --fixed-plans auto
+  TAILN=20 step verify_batch4 80 python3 -m mlx_engine.bench verify --shape llama-8b --shape-layers 8 --prefill 512 --trials 3 --max-len 8 --fixed-plans stock --sequences 4
+elif [ "$PART" = 1 ]; then
   step verify_llama 300 python3 -m mlx_engine.bench verify --shape llama-8b --prefill 512 --trials 7 --fixed-plans auto,stock
   step verify_moe 110 python3 -m mlx_engine.bench verify --shape qwen3-30b-a3b --shape-layers 12 --prefill 512 --trials 7
   step e2e 180 python3 scripts/gpu/verify_speed.py --out $OUT --only e2e2
