@@ -100,7 +100,10 @@ def test_context_window_is_checked_before_any_work():
 
 def test_cli_refuses_more_tokens_than_the_context_before_any_work(capsys):
     from mlx_engine.__main__ import main
+    from mlx_engine.models.default import default_model_path
 
+    default_model_path()  # a fresh machine's one-time download is not this command's output
+    capsys.readouterr()
     assert main(["generate", "--prompt-tokens", "1,2,3", "--max-tokens", "100000"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["error: the prompt (3 tokens) plus 100000 new tokens exceed this model's context window of "
