@@ -17,13 +17,13 @@ python3 -c "from mlx_engine import kernels; print(kernels.describe())" 2>&1 | ta
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null | tee -a $OUT/summary.log
 if [ "$PART" = short ]; then
   TAILN=30 step verify_llama 200 python3 -m mlx_engine.bench verify --shape llama-8b --prefill 512 --trials 5 --fixed-plans auto,stock
-  TAILN=30 step e2e 150 python3 scripts/gpu/verify_speed.py --out $OUT --only e2e2
+  TAILN=30 step e2e 150 python3 scripts/gpu/e2e.py --out $OUT
   TAILN=20 step verify_moe 75 python3 -m mlx_engine.bench verify --shape qwen3-30b-a3b --shape-layers 12 --prefill 512 --trials 5 --max-len 8 --fixed-plans auto
   TAILN=20 step verify_batch4 80 python3 -m mlx_engine.bench verify --shape llama-8b --shape-layers 8 --prefill 512 --trials 3 --max-len 8 --fixed-plans stock --sequences 4
 elif [ "$PART" = 1 ]; then
   step verify_llama 300 python3 -m mlx_engine.bench verify --shape llama-8b --prefill 512 --trials 7 --fixed-plans auto,stock
   step verify_moe 110 python3 -m mlx_engine.bench verify --shape qwen3-30b-a3b --shape-layers 12 --prefill 512 --trials 7
-  step e2e 180 python3 scripts/gpu/verify_speed.py --out $OUT --only e2e2
+  step e2e 180 python3 scripts/gpu/e2e.py --out $OUT
 elif [ "$PART" = 3 ]; then
   step verify_mla 360 python3 -m mlx_engine.bench verify --shape deepseek-mla-16b --shape-layers 12 --prefill 512 --trials 7 --fixed-plans auto,stock
   TAILN=10 step mla_tests 100 python3 -m pytest -q -p no:cacheprovider tests/test_mla_invariant.py tests/test_batch_invariance.py
