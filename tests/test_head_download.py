@@ -78,6 +78,49 @@ def test_only_the_head_shards_are_fetched_once(tmp_path, hub, capsys, key, repo,
     assert hub.requests(repo) == before
 
 
+def test_a_head_over_several_shards_fetches_them_and_not_a_shard_of_its_copies(tmp_path, hub, capsys):
+    """DeepSeek-V3's layer 61 (15.4 GB, 3.7 GB of it the copies of the embedding and output) spans several of
+    its shards. Here the head is split over two shards (a weight and its block scales may land apart) and
+    its copies (embed_tokens, shared_head.head: the target's own are used) sit in a shard of their own,
+    after three target-only shards: the two head shards are fetched, the copies' shard and the target's
+    never."""
+    from mlx_engine.models.safetensors_file import copy_tensors, read_header
+
+    repo, orig = "deepseek-ai/DeepSeek-V3", tmp_path / "orig"
+    info = write_real(orig, "deepseek_v3/fp8", shards=4)
+    index = json.loads((orig / "model.safetensors.index.json").read_text())
+    wmap = index["weight_map"]
+    for i in (1, 2, 3):  # model-0000i-of-00004 -> -of-00006
+        old, new = f"model-{i:05d}-of-00004.safetensors", f"model-{i:05d}-of-00006.safetensors"
+        (orig / old).rename(orig / new)
+        wmap.update({k: new for k, f in wmap.items() if f == old})
+    head_file = orig / info["head_file"]
+    names = sorted(read_header(head_file)[0])
+    copies = [k for k in names if k.endswith((".embed_tokens.weight", ".shared_head.head.weight"))]
+    rest = [k for k in names if k not in copies]
+    assert len(copies) == 2 and len(rest) > 2
+    parts = {"model-00004-of-00006.safetensors": rest[: len(rest) // 2],
+             "model-00005-of-00006.safetensors": rest[len(rest) // 2:],
+             "model-00006-of-00006.safetensors": copies}
+    for f, ks in parts.items():
+        copy_tensors([(head_file, ks)], orig / f)
+        wmap.update({k: f for k in ks})
+    head_file.unlink()
+    (orig / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
+    assert set(wmap.values()) == {p.name for p in orig.glob("*.safetensors")}
+
+    hub.add(repo, orig)
+    hub.add("mlx-community/tiny-4bit", conversion(tmp_path, orig, repo))
+    code, plain = run(capsys, "--model", "mlx-community/tiny-4bit", "--drafter", "none")
+    assert code == 0
+    code, spec = run(capsys, "--model", "mlx-community/tiny-4bit", "--drafter", "mtp", "--num-draft", "2",
+                     "--mtp-weights", f"hub:{repo}")
+    assert code == 0, spec
+    assert spec["tokens"] == plain["tokens"] and spec["stats"]["drafted"] > 0
+    assert hub.fetched(repo) == {"config.json": 1, "model.safetensors.index.json": 1,
+                                 "model-00004-of-00006.safetensors": 1, "model-00005-of-00006.safetensors": 1}
+
+
 def test_a_repository_holding_a_converted_head_file(tmp_path, hub, capsys):
     """A repository with just the head `convert` writes (mtp.safetensors + mtp.json, no index)."""
     write_real(tmp_path / "orig", "qwen3_5_dense/bf16")
