@@ -167,7 +167,10 @@ def write_real(folder, key: str, seed: int = 0, shards: int = 3, extra: dict | N
     target_names = sorted(set(stored) - head_names)
     weight_map = {k: f"model-{i % (shards - 1) + 1:05d}-of-{shards:05d}.safetensors" for i, k in enumerate(target_names)}
     weight_map.update({k: head_file for k in head_names})
-    bf16 = {k for k, v in stored.items() if v.dtype == np.float32 and not k.endswith("_scale_inv")}
+    # F32 as published: FP8 block scales, and DeepSeek-V3's router biases (its header dump's total,
+    # 688,574,839,360 bytes, is the config's tensors with e_score_correction_bias in F32, the rest as listed)
+    keep_f32 = ("_scale_inv", "e_score_correction_bias") if form.storage == "fp8" else ("_scale_inv",)
+    bf16 = {k for k, v in stored.items() if v.dtype == np.float32 and not k.endswith(keep_f32)}
     for fname in sorted(set(weight_map.values())):
         part = {k: stored[k] for k, f in weight_map.items() if f == fname}
         write_safetensors(folder / fname, part, fp8_names & set(part), bf16 & set(part))

@@ -151,6 +151,11 @@ def test_deepseek_fp8_head_is_dequantised_from_its_bytes(real):
     stored = info["tensors"]
     fp8 = sorted(k[: -len("_scale_inv")] for k in info["head"] if k.endswith("_scale_inv"))
     assert fp8 and f"model.layers.{n}.eh_proj.weight" not in fp8  # as published: eh_proj stays BF16
+    from mlx_engine.models.safetensors_file import read_header
+
+    dtypes = {k: v["dtype"] for k, v in read_header(folder / info["head_file"])[0].items()}
+    assert dtypes[f"model.layers.{n}.eh_proj.weight"] == "BF16"
+    assert dtypes[f"model.layers.{n}.mlp.gate.e_score_correction_bias"] == "F32"  # as in the header dump's total
     checked = 0
     for k in fp8:
         want = E4M3[stored[k]] * np.repeat(np.repeat(stored[k + "_scale_inv"], 128, 0), 128, 1)[
