@@ -289,12 +289,12 @@ def run_convert(args) -> int:
     """`convert`: every input checked before the work (one `error:` line, exit status 2)."""
     from pathlib import Path
 
-    from .convert import add_head, check_options, convert
+    from .convert import BITS, add_head, check_options, convert
     from .models import resolve
     from .models.hub import repo_of
 
     mlx_path = Path(args.mlx_path)
-    if args.mtp_bits is not None and 0 < args.mtp_bits < 8:
+    if args.mtp_bits in BITS and args.mtp_bits < 8:  # a bit count convert refuses gets its error alone
         print(f"warning: a {args.mtp_bits}-bit MTP head loses acceptance; 8 bits or more is recommended", file=sys.stderr)
     try:
         if args.hf_path is None and args.mtp_from and mlx_path.exists():  # a head for an existing conversion

@@ -155,3 +155,6 @@ def test_bad_inputs_are_one_line_errors_before_any_work(tmp_path, capsys):
     for target, words in ((tmp_path / "exists", "already exists"), (tmp_path / "a-file" / "out", "not writable")):
         code, err = convert(capsys, "--hf-path", good, "--mlx-path", target)
         assert code == 2 and words in err and len(err.strip().splitlines()) == 1, err
+    # an invalid --mtp-bits is its error alone, without the low-bits warning first
+    code, err = convert(capsys, "--hf-path", good, "--mlx-path", tmp_path / "out7", "--mtp-bits", "7")
+    assert code == 2 and err == "error: --mtp-bits must be 0 (float) or one of 2, 3, 4, 5, 6, 8, got 7\n", err
