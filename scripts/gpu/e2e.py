@@ -59,7 +59,6 @@ def main():
     ap.add_argument("--paths", default="stock,fixed,kernels", help="comma-separated: stock, fixed, kernels")
     args = ap.parse_args()
     print("MLX", mx.__version__, mx.default_device(), flush=True)
-    prompt = [int(t) for t in mx.random.randint(0, 128256, (16,), key=mx.random.key(9)).tolist()] * 4
     res = {}
 
     def save():
@@ -67,6 +66,8 @@ def main():
             json.dump(res, f, indent=1)
 
     model = build("llama-8b")
+    vocab = model.args.vocab_size
+    prompt = [int(t) for t in mx.random.randint(0, vocab, (16,), key=mx.random.key(9)).tolist()] * 4
     for _ in range(2):
         mlx_lm_plain(model, prompt)
     reference, tps = mlx_lm_plain(model, prompt)
