@@ -45,8 +45,9 @@ def add_memory_args(p: argparse.ArgumentParser, prefix_cache: bool = False) -> N
     """--kv-bits, --kv-group-size, --draft-kv-bits, --max-memory (and the prefix cache's budget for the
     commands that serve several prompts): the same flags for generate, serve and the chat."""
     p.add_argument("--kv-bits", type=int, choices=KV_BITS, default=None,
-                   help="quantize the target's KV cache to this many bits (default: full precision); speculative "
-                        "output still equals plain decoding with the same cache")
+                   help="quantize the target's KV cache to this many bits (default: full precision); decoding then "
+                        "runs batch invariant unless --no-batch-invariant (a float-level difference flips a "
+                        "quantization code), so speculative output equals plain decoding with the same cache")
     p.add_argument("--kv-group-size", type=int, choices=KV_GROUP_SIZES, default=64,
                    help="values per quantization group of the KV cache (default 64; must divide the head dimension)")
     p.add_argument("--draft-kv-bits", type=int, choices=KV_BITS, default=None,

@@ -24,11 +24,13 @@ def alone_tokens(server, question, n, **engine_kw):
     return text_ops.decode(tok, out, text_ops.special_ids(tok))
 
 
-@pytest.mark.cpu_exact
 def test_kv_bits_in_continuous_batching_equal_the_same_cache_alone():
+    """Requests batched beside each other, with MTP drafts, prompts fed in chunks timed to the load: each
+    equals its own plain decoding alone with the same cache (a quantized cache decodes batch invariant)."""
     s = RunningServer("--batching", "continuous", "--kv-bits", "4", "--max-tokens", "24")
     try:
         assert s.service.worker.mode == "continuous"  # a quantized cache batches; no fall back to the fair queue
+        assert s.service.worker.status()["batch_invariant"]
         got = together(lambda q: ask(s, q, 24), [(q,) for q in QUESTIONS])
         for q, (text, _, _) in zip(QUESTIONS, got):
             assert text == alone_tokens(s, q, 24, kv_bits=4)

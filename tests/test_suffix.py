@@ -93,10 +93,32 @@ def distinct_substrings(texts, depth) -> int:
                 for n in range(1, depth + 1) if p + n <= len(toks)})
 
 
+def substring_counts(texts, depth) -> dict[tuple, int]:
+    """{s: occurrences} of every substring of at most `depth` tokens."""
+    out = {}
+    for _, toks in texts:
+        for p in range(len(toks)):
+            for n in range(1, min(depth, len(toks) - p) + 1):
+                out[tuple(toks[p : p + n])] = out.get(tuple(toks[p : p + n]), 0) + 1
+    return out
+
+
+def trie_counts(root) -> dict[tuple, int]:
+    """{s: the count of s's node} over every node of the trie."""
+    out, stack = {}, [((), root)]
+    while stack:
+        s, node = stack.pop()
+        for t, c in node.children():
+            out[s + (t,)] = c.count
+            stack.append((s + (t,), c))
+    return out
+
+
 def check_against_reference(cache: SuffixCache, d: SuffixDrafter, rng, depth: int):
     found = d.match()  # (re-inserts the drafter's text if it was evicted)
     texts, context = corpus(cache), list(d.tokens)
     assert cache.nodes == distinct_substrings(texts, depth)
+    assert trie_counts(cache.root) == substring_counts(texts, depth)
     m = reference_match(texts, context, d.min_match, d.max_match, depth)
     assert (found[0] if found else None) == m, (texts, context)
     if m is None:

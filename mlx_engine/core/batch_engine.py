@@ -64,14 +64,16 @@ class BatchEngine:
         prefill_step: the largest prefill chunk; prefix_cache_bytes: the prefix tree's budget (0: none);
         context_length: prompt + max_tokens beyond it are refused (None: not checked); idle_budget: seconds
         a prefill chunk may take when no sequence is decoding. kv_bits / kv_group_size: the target's KV cache
-        quantized (each row's entries, target/batch_cache.py), as in Engine. memory: a budget (core/memory.py):
+        quantized (each row's entries, target/batch_cache.py), as in Engine (batch invariant by default, prompts
+        fed in chunks of at most the contract's rows). memory: a budget (core/memory.py):
         a request that cannot fit even alone is refused at add(); `can_admit` tells whether one fits now."""
         self.memory = memory
         check_kv_quantization(kv_bits, kv_group_size)
-        if batch_invariant is None:  # the device's default, unless the KV cache is quantized (not covered)
-            batch_invariant = invariance_default.default_invariance(several_sequences=True) if kv_bits is None else False
-        if kv_bits is not None and batch_invariant not in (False, "off"):
-            raise ValueError("batch-invariant decoding does not cover a quantized KV cache yet: use one or the other")
+        if batch_invariant is None:  # the device's default; a quantized KV cache: the kernels' mode (Engine says why)
+            batch_invariant = "kernels" if kv_bits is not None else \
+                invariance_default.default_invariance(several_sequences=True)
+        if kv_bits is not None and batch_invariant == "fixed":
+            raise ValueError("fixed-row passes do not cover a quantized KV cache: use --batch-invariant kernels")
         rows, why_not = make_invariant_batches(model, batch_invariant)
         self.batch_invariant = rows is not None
         self.max_k = rows - 1 if rows else 1 << 30  # the invariance covers passes of k + 1 <= rows tokens
@@ -95,6 +97,8 @@ class BatchEngine:
         if prefix_cache_bytes > 0 and self.supported is None:
             tree = prefix_ops.PrefixCache(prefix_cache_bytes, with_hidden=self.want_hidden is not None)
         self.prefix_cache = tree
+        if self.batch_invariant and kv_bits is not None:  # prompts in covered passes, as in Engine
+            prefill_step = min(prefill_step, rows)
         self.prefills = PrefillQueue(self.target, self.want_hidden, tree, prefill_step, idle_budget)
         self.steps = 0
         self.step_times: list[float] = []  # seconds of the batch's recent steps (the prefill chunks' budget)

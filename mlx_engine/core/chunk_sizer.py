@@ -14,7 +14,7 @@ from __future__ import annotations
 class ChunkSizer:
     def __init__(self, first: int = 32, largest: int = 512, margin: float = 0.85):
         self.first, self.largest, self.margin = first, largest, margin
-        self.n = first
+        self.n = min(first, largest)
         self.last: tuple[int, float] | None = None  # (tokens, seconds) of the last timed chunk
 
     def size(self, budget: float | None) -> int:

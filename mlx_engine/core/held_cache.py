@@ -27,6 +27,7 @@ class HeldCache:
         self.hidden: list[mx.array] = []  # their hidden rows (when the drafter reads them)
         self.request: HiddenRequest | None = None  # which hidden states those rows are
         self.prefix_cache = prefix_cache
+        self.largest_chunk: int | None = None  # a cap on prefill chunks below cfg.prefill_step (None: none)
         self.prefix_cache_off = None  # why a prefix tree cannot serve this model (None: it can)
         if prefix_cache is not None:
             self.prefix_cache_off = prefix_ops.supported(target.make_cache())
@@ -92,10 +93,11 @@ class HeldCache:
         body = prompt[reused:-1]
         if cfg.on_prefill is not None:
             cfg.on_prefill(0, len(body))
-        for i in range(0, len(body), cfg.prefill_step):
+        step = min(cfg.prefill_step, self.largest_chunk or cfg.prefill_step)
+        for i in range(0, len(body), step):
             if cfg.should_stop is not None and cfg.should_stop():
                 return None
-            chunk = body[i : i + cfg.prefill_step]
+            chunk = body[i : i + step]
             _, h = self.target.forward(mx.array(chunk), self.cache, want_hidden)
             host.wait([c.state for c in self.cache] + ([h] if want_hidden else []))
             self.fed(chunk, h if want_hidden else None)  # what the cache holds, chunk by chunk

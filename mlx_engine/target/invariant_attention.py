@@ -12,7 +12,12 @@ so that each query row gets the bits of its sequence's single-token decode step:
     kernel launch told the row lengths (`lens`), or on a CPU one sequence and row at a time.
   * other masks: the kernels' reference with the mask.
 
-Quantized KV caches, attention sinks and passes of more than MAX_ROWS queries (prefill) run stock.
+  * a quantized KV cache (keys and values as (codes, scales, biases)): each real query row alone over
+    exactly its keys through mlx-lm's quantized attention (the decode step's own call), per sequence
+    over a batch cache; on every device (no kernel reads quantized keys). A float-level difference in a
+    key flips its quantization code, so a quantized cache needs this more than a float one does.
+
+Attention sinks and passes of more than MAX_ROWS queries (prefill) run stock.
 """
 
 from __future__ import annotations
@@ -41,6 +46,30 @@ def row_attention(original, q, k, v, scale: float, causal: bool, live_n: int | N
         outs.append(original(q[:, :, i : i + 1], k[:, :, :n], v[:, :, :n], cache=None, scale=scale, mask=mask))
     out = concat(outs, axis=2)
     return mx.pad(out, [(0, 0), (0, 0), (0, L - live_n), (0, 0)]) if live_n else out
+
+
+def quantized_rows(original, q, k: tuple, v: tuple, scale: float, cache, causal: bool,
+                   live_n: int | None) -> mx.array:
+    """Attention over a quantized cache (k, v: mlx-lm's (codes, scales, biases) triples), each real query
+    row alone over its keys: original(q_row, k[:n], v[:n], cache) takes mlx-lm's quantized path (the
+    cache gives its bits and group size), the decode step's call at that position."""
+    def rows(q, k, v):
+        L, N = q.shape[2], k[0].shape[2]
+        outs = []
+        for i in range(live_n or L):
+            n = N - L + i + 1 if causal else N
+            kn, vn = (tuple(x[:, :, :n] for x in t) for t in (k, v))
+            outs.append(original(q[:, :, i : i + 1], kn, vn, cache=cache, scale=scale, mask=None))
+        out = concat(outs, axis=2)
+        return mx.pad(out, [(0, 0), (0, 0), (0, L - live_n), (0, 0)]) if live_n else out
+
+    if not isinstance(cache, BatchKVCache):
+        return rows(q, k, v)
+    outs = []
+    for b, n in enumerate(cache.lens):  # each sequence over its own first lens[b] keys
+        one = slice(b, b + 1)
+        outs.append(rows(q[one], tuple(x[one, :, :n] for x in k), tuple(x[one, :, :n] for x in v)))
+    return concat(outs, axis=0)
 
 
 def per_sequence(attend, q, k, v, lens: list[int], qp=None, kp=None) -> mx.array:
@@ -91,11 +120,18 @@ def wrap_attention_module(modname: str) -> None:
         return
 
     def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None, **kw):
-        plain = hasattr(cache, "bits") or kw or sinks is not None or queries.shape[2] > MAX_ROWS
+        plain = kw or sinks is not None or queries.shape[2] > MAX_ROWS
         if active.get() and not plain:
             live_n = live(queries, axis=2)
             causal = mask == "causal" or queries.shape[2] == 1  # one query, no mask: the causal case too
-            if isinstance(cache, BatchKVCache) or mask is None or mask == "causal":  # (a batch cache: an array mask)
+            # a batch cache's mask is an array: each sequence's keys are cut to its own length instead
+            simple = isinstance(cache, BatchKVCache) or mask is None or mask == "causal"
+            if hasattr(cache, "bits") and simple:
+                return quantized_rows(original, queries, keys, values, scale, cache,
+                                      causal or isinstance(cache, BatchKVCache), live_n)
+            if hasattr(cache, "bits"):  # another mask over quantized keys: stock (correct, not invariant)
+                return original(queries, keys, values, cache=cache, scale=scale, mask=mask)
+            if simple:
                 return cache_attention(original, queries, keys, values, scale, cache, live_n=live_n, causal=causal)
             return attention_reference(queries, keys, values, scale, False,
                                        mask=None if isinstance(mask, str) else mask, live=live_n)
