@@ -31,6 +31,7 @@ from ..args import ArgumentParser, count, fail, int_list, interrupted
 from ..core.batch_engine import BatchEngine
 from ..core.engine import Engine, GenerationConfig
 from ..drafters.registry import DrafterError, DrafterOptions, make_drafter
+from ..drafters.suffix import private_cache
 from ..models import ModelLoadError, load
 from ..target import cache as cache_ops
 from ..target.prefix_cache import PrefixCache
@@ -72,11 +73,15 @@ def decode_modes(loaded, tree, prompt, modes, max_tokens, rounds=3):
     engine per mode for all rounds, as an agent's session keeps its engine (its draft policy learns in the
     first round: that round is reported apart); rounds alternate the order of the modes."""
     runs = {m: [] for m in modes}
-    engines = {m: Engine(loaded.model, None if m == "plain" else make_drafter(m, loaded, DrafterOptions()),
+    suffix_caches = []  # a suffix mode's own cache, emptied before each run: no run drafts from an earlier one's answer
+    engines = {m: Engine(loaded.model, None if m == "plain" else
+                         private_cache(make_drafter(m, loaded, DrafterOptions()), suffix_caches),
                          prefix_tree=tree) for m in modes}
     reference = None
     for r in range(rounds):
         for mode in (modes if r % 2 == 0 else list(reversed(modes))):
+            for c in suffix_caches:
+                c.clear()
             out, st = generate(engines[mode], prompt, max_tokens)  # no stop: every run decodes max_tokens
             if mode == "plain" and reference is None:
                 reference = out
@@ -97,19 +102,23 @@ def decode_modes(loaded, tree, prompt, modes, max_tokens, rounds=3):
 
 
 def stall(loaded, long_prompt, stream_tokens=16):
-    """Gaps between a plain stream's tokens before and while another prompt is prefilled beside it."""
+    """Gaps between a plain stream's tokens before and while another prompt is prefilled beside it, until
+    that prompt's second token (its first comes when its prompt is in; the second once it decodes in the
+    batch: the window holds every step its prefill and its joining cost)."""
     engine = BatchEngine(loaded.model, None, prefix_cache_bytes=0)
     stream = encode(loaded.tokenizer, STREAM_PROMPT)
     engine.add("stream", stream, 100_000, num_draft=0)
-    times, added, first_long = [], None, None
+    times, added, first_long, long_tokens = [], None, None, 0
     while first_long is None:
         outs = engine.step()
         now = time.perf_counter()
         for o in outs:
             if o.seq_id == "stream" and o.tokens:
                 times.append((now, len(o.tokens)))
-            if o.seq_id == "long" and o.tokens:
-                first_long = now
+            if o.seq_id == "long":
+                long_tokens += len(o.tokens)
+                if long_tokens >= 2 or o.finished:
+                    first_long = now
         if added is None and len(times) >= stream_tokens:
             added = time.perf_counter()
             engine.add("long", long_prompt, 4)
@@ -155,7 +164,8 @@ def run_length(loaded, length, args) -> dict:
     tree = PrefixCache(args.prefix_cache_gb * 2**30, with_hidden=True)
     mx.reset_peak_memory()
     cold, warm, nxt, plain_engine = cold_and_next_turn(loaded, tree, prompt, args.max_tokens, stop)
-    out = {"length": length, "session_files": s["files"], "asks": s["asks"]["function"], "cold": cold, "next_turn": warm}
+    out = {"length": length, "session_files": s["files"], "asks": s["asks"]["function"], "cold": cold,
+           "next_turn": warm}
     out["decode"] = decode_modes(loaded, tree, nxt, args.modes, args.max_tokens)
     out["memory"] = kv_memory(plain_engine, args.kv_bits, args.kv_group_size)
     out["memory"]["peak_bytes_full_precision_run"] = mx.get_peak_memory()
@@ -164,6 +174,10 @@ def run_length(loaded, length, args) -> dict:
     if length in args.stall_lengths:
         out["stall"] = stall(loaded, prompt["tokens"])
     return out
+
+
+def int_list_or_none(text: str) -> list[int]:
+    return [] if text.strip().lower() == "none" else int_list(256)(text)
 
 
 def print_row(r) -> None:
@@ -183,12 +197,12 @@ def main(argv=None) -> int:
     p = ArgumentParser(prog="python -m mlx_engine.bench.longctx", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", help="model (default: the embedded SmolLM2-135M-Instruct with its MTP head)")
     p.add_argument("--lengths", type=int_list(256), default=[2048, 8192, 16384], help="session lengths in tokens")
-    p.add_argument("--modes", default="plain,ngram,mtp,ngram+mtp", help="decode modes (plain first)")
+    p.add_argument("--modes", default="plain,ngram,suffix,mtp,ngram+mtp", help="decode modes (plain first)")
     p.add_argument("--max-tokens", type=count(2), default=64, help="tokens decoded per turn (default 64)")
-    p.add_argument("--stall-lengths", type=int_list(256), default=[2048, 8192],
-                   help="lengths whose prefill is run beside a stream (default 2048,8192)")
-    p.add_argument("--kv-run-lengths", type=int_list(256), default=[2048, 8192],
-                   help="lengths given a real --kv-bits run (another cold prefill each)")
+    p.add_argument("--stall-lengths", type=int_list_or_none, default=[2048, 8192],
+                   help="lengths whose prefill is run beside a stream (default 2048,8192; none: no stall runs)")
+    p.add_argument("--kv-run-lengths", type=int_list_or_none, default=[2048, 8192],
+                   help="lengths given a real --kv-bits run (another cold prefill each; none: no such run)")
     p.add_argument("--kv-bits", type=int, choices=cache_ops.KV_BITS, default=4)
     p.add_argument("--kv-group-size", type=int, choices=cache_ops.KV_GROUP_SIZES, default=64)
     p.add_argument("--prefix-cache-gb", type=float, default=4.0, help="the shared prefix tree's budget (GiB)")
