@@ -1,5 +1,6 @@
-"""Long prompts in the batch engine: prefilled a chunk per step beside the running batch (no stall),
-shortest first, cancellable mid-prefill, and started from the prefix tree of earlier requests."""
+"""Long prompts in the batch engine: prefilled a chunk per step inside the running batch's own pass (no
+stall, no pass of their own), shortest first, cancellable mid-prefill, and started from the prefix tree of
+earlier requests or from another row."""
 
 import mlx.core as mx
 import numpy as np
@@ -76,6 +77,30 @@ def test_a_long_prompt_never_stalls_a_running_stream(llama):
     drain(engine, out, done)
     assert_greedy_equal(llama, LONG, out["long"], alone(llama, LONG, 8))
     assert_greedy_equal(llama, SHORT, out["short"], alone(llama, SHORT, 200))
+
+
+def test_prompt_chunks_ride_in_the_batch_pass(llama, monkeypatch):
+    """While a long prompt is prefilled beside a decoding stream, every step is ONE forward pass of the target
+    (the stream's tokens and the prompt's chunk together): the weights are read once, not once per chunk."""
+    from mlx_engine.target.model import Target as T
+
+    engine = BatchEngine(llama, NgramDrafter(), num_draft=2, prefill_step=16)
+    engine.add("short", SHORT, 200)
+    while not engine.step():
+        pass
+    passes = []
+    for name in ("forward", "forward_batch"):
+        real = getattr(T, name)
+        monkeypatch.setattr(T, name, lambda self, *a, _r=real, _n=name, **k: passes.append(_n) or _r(self, *a, **k))
+    engine.add("long", LONG, 4)
+    steps = 0
+    while engine.prefilling():
+        passes.clear()
+        outs = engine.step()
+        steps += 1
+        assert passes == ["forward_batch"], passes
+        assert any(o.seq_id == "short" and o.tokens for o in outs)
+    assert steps >= len(LONG) // 16
 
 
 def test_short_prompts_are_prefilled_before_a_long_one(llama):

@@ -11,13 +11,14 @@ drafter per row, where its own acceptance cannot pay for its drafting); its veri
 step's k + 1 and the acceptance rule reads only its own drafts. With k = 0 a step is one plain decoding
 step for every row.
 
-Sequences join and leave between steps. `add` only queues a new sequence (core/batch_prefill.py): each
-step prefills one chunk of a waiting prompt, sized so the running streams' step stays bounded, beside
-the batch's own step; after its last prompt token its first token is sampled and returned at once, its
-drafter is fed the prompt a chunk at a time, and the sequence joins the batch (its cache appended as a
-row). A finished or cancelled sequence's row is dropped at once; a waiting one leaves the queue. Prompts
-start from the longest prefix a shared prefix tree (target/prefix_cache.py) holds: every prompt and
-every finished sequence is stored there, within a byte budget.
+Sequences join and leave between steps. `add` only queues a new sequence (core/batch_prefill.py): it gets
+a row at once (the longest prefix the prefix tree or another row holds copied in) and its prompt is fed a
+chunk per step AS ROWS OF THE BATCH'S OWN PASS, beside the decoding rows' [last, drafts]: the weights are
+read once for both, and the chunk is sized so the whole step stays within a bound of the decoding steps'
+median. The step that feeds the last prompt token hands out its first token; a drafter that keeps prompt
+state is then fed the prompt a chunk per step, and the row drafts once it is. A finished or cancelled
+sequence's row is dropped at once, its entries stored in the shared prefix tree
+(target/prefix_cache.py) within a byte budget.
 
 Lossless: sampled rows follow the target's distribution by the usual acceptance rule. Greedy output
 equals the same request served alone where a row's logits do not depend on the other rows: its keys sit
@@ -27,31 +28,30 @@ for bit; with batch_invariant=True on any device (each sequence over its own key
 
 from __future__ import annotations
 
-import copy
 import time
 
 import mlx.core as mx
-from mlx.utils import tree_map
 
 from .. import host
-from ..drafters.base import Verdict, hidden_request
+from ..drafters.base import hidden_request
 from ..drafters.mtp.batched import BatchedMTP, batchable_mtp
 from ..sampling import SamplingConfig
 from ..target import prefix_cache as prefix_ops
-from ..target.batch_cache import BatchKVCache, append_sequence, batchable
-from ..target.cache import check_kv_quantization, kv_bytes
+from ..target.batch_cache import BatchKVCache, batchable
+from ..target.cache import check_kv_quantization
 from ..target.fixed_rows import make_invariant_batches
 from ..target.model import Target
 from . import invariance_default
 from .batch_policy import BatchPolicy, FixedBatchPolicy
-from .batch_prefill import Prefilling, PrefillQueue
+from .batch_prefill import PrefillQueue
+from .batch_rows import BatchRows
 from .batch_sequence import Output, RunningSequence, padded
 from .context import check_context
 from .memory import MemoryBudget
 from .verify import choose_row
 
 
-class BatchEngine:
+class BatchEngine(BatchRows):
     """Call from one thread (the one that owns MLX): add / cancel / step."""
 
     def __init__(self, model, drafter=None, num_draft: int | str = "auto", max_batch: int = 8, max_draft: int = 8,
@@ -101,26 +101,26 @@ class BatchEngine:
             prefill_step = min(prefill_step, rows)
         self.prefills = PrefillQueue(self.target, self.want_hidden, tree, prefill_step, idle_budget)
         self.steps = 0
-        self.step_times: list[float] = []  # seconds of the batch's recent steps (the prefill chunks' budget)
+        self.step_times: list[float] = []  # seconds of recent steps that only decoded (the prefill chunks' budget)
+        self.adopted: list[RunningSequence] = []  # the batched MTP head's rows, in its order
         self._reshaped = False  # rows joined or left since the last step (its time carries the re-layout)
         self.k_steps: dict[int, int] = {}  # steps run at each draft length (reports)
 
     # -- joining and leaving ---------------------------------------------------------------------------
     def running(self) -> int:
         """Sequences decoding or being prefilled."""
-        return len(self.seqs) + len(self.prefills)
+        return len(self.seqs) + len(self.prefills.queued)
 
     def free_slots(self) -> int:
-        return self.max_batch - len(self.seqs) - len(self.prefills)
+        return self.max_batch - self.running()
 
     def prefilling(self) -> list[dict]:
-        """Sequences waiting to join: {"id", "done", "total", "stage"} (prompt tokens fed of total)."""
+        """Sequences whose prompt or drafter is still being fed: {"id", "done", "total", "stage"}."""
         return self.prefills.status()
 
     def kv_bytes(self) -> int:
-        """Bytes of the batch's KV caches, the waiting sequences' and the prefix tree's."""
+        """Bytes of the batch's KV caches and the prefix tree's."""
         n = sum(a.nbytes for bc in self.cache for a in bc.state)
-        n += sum(kv_bytes(p.cache) for p in self.prefills.waiting)
         return n + (self.prefix_cache.nbytes if self.prefix_cache is not None else 0)
 
     def check(self, prompt: list[int], max_tokens: int = 1) -> None:
@@ -141,16 +141,16 @@ class BatchEngine:
         cache gives every row the longest row's capacity, so that is what is counted."""
         if self.memory is None:
             return True
-        extents = [self._extent(s) for s in self.seqs] + [self._extent(p.seq) for p in self.prefills.waiting]
+        extents = [self._extent(s) for s in self.seqs] + [self._extent(p.seq) for p in self.prefills.queued]
         rows = len(extents) + 1
         need = rows * max(extents + [prompt_tokens + max_tokens]) * self.memory.kv_per_token
         return need <= self.memory.limit - self.memory.base
 
     def add(self, seq_id, prompt: list[int], max_tokens: int, sampling: SamplingConfig | None = None, seed: int = 0,
             stop_tokens: frozenset[int] = frozenset(), num_draft: int | str | None = None) -> None:
-        """Queue a new sequence: the next steps prefill it (a chunk per step) and its first token comes out
-        of the step that finishes its prompt. `num_draft`: this request's ceiling on its draft length per
-        step (0: it never drafts; None or "auto": the batch's choice)."""
+        """Queue a new sequence: the next steps prefill it (a chunk per step, inside the batch's pass) and
+        its first token comes out of the step that feeds its last prompt token. `num_draft`: this request's
+        ceiling on its draft length per step (0: it never drafts; None or "auto": the batch's choice)."""
         if self.supported is not None:
             raise ValueError(f"this model cannot be batched: {self.supported}")
         if self.free_slots() <= 0:
@@ -171,162 +171,122 @@ class BatchEngine:
         for s in self.seqs:
             if s.id == seq_id:
                 s.cancelled = True
-        for p in self.prefills.waiting:
+        for p in self.prefills.queued:
             if p.seq.id == seq_id:
                 p.seq.cancelled = True
 
     def reset(self) -> None:
         """Drop every running and waiting sequence, keeping none of their entries (after a failed step their
         caches are in doubt). The prefix tree keeps what it held before."""
-        self.seqs, self.cache, self._reshaped = [], [], True
-        self.prefills.waiting.clear()
+        self.seqs, self.cache, self.adopted, self._reshaped = [], [], [], True
+        self.prefills.queued.clear()
+        self.prefills.joining.clear()
         if self.batched is not None:
             self.batched.keep_rows([])
 
-    # -- prefill, a chunk per step --------------------------------------------------------------------
-    def _prefill_once(self, outputs: list[Output]) -> None:
-        """Advance the waiting sequence with the fewest tokens left by one chunk (target, then drafter);
-        a sequence whose prompt is in hands out its first token; one whose drafter is fed joins the batch."""
-        for p in [p for p in self.prefills.waiting if p.seq.cancelled]:
-            self.prefills.remove(p)
-            outputs.append(Output(p.seq.id, [], "cancelled", p.seq.stats(self.num_draft)))
-        p = self.prefills.next()
-        if p is None:
-            return
-        budget = self.prefills.budget(self.step_times, len(self.seqs))
-        if not p.sampled:
-            logits = self.prefills.target_chunk(p, budget)
-            if logits is None:
-                return
-            if not self._first_token(p, logits, outputs):
-                return
-        if p.drafter is None or self.prefills.drafter_chunk(p, budget):
-            self._join(p)
-            self.prefills.remove(p)  # its prompt's entries go to the prefix tree (the cache is now the batch's copy)
-
-    def _first_token(self, p: Prefilling, logits, outputs: list[Output]) -> bool:
-        """Sample p's first token and hand it out; begin its drafter. False when that token ends it."""
-        s = p.seq
-        context = mx.array(s.prompt[-s.sampling.repetition_context :]) if s.sampling.penalized else None
-        first = host.read(choose_row(logits, context, mx.zeros((0,), mx.int32), None, s.sampling, s.next_key()))[1]
-        s.history.append(first)
-        s.last = first
-        s.prompt_time = time.perf_counter() - p.started
-        p.sampled = True
-        hidden = mx.concatenate(p.hidden) if self.want_hidden else None
-        p.hidden = [hidden] if hidden is not None else []
-        if first in s.stop_tokens or s.max_tokens == 1:
-            self.prefills.remove(p)  # its prompt's entries go to the prefix tree
-            outputs.append(Output(s.id, [first], "stop" if first in s.stop_tokens else "length",
-                                  s.stats(self.num_draft)))
-            return False
-        outputs.append(Output(s.id, [first]))
-        if self.batched is not None:
-            p.drafter = self.batched.begin_row(s.history, hidden)
-        elif self.drafter is not None:
-            p.drafter = copy.copy(self.drafter)
-            p.drafter.begin(list(s.history), hidden)
-        p.drafter_left = len(s.history) if p.drafter is not None else 0
-        return True
-
-    def _join(self, p: Prefilling) -> None:
-        """A prefilled sequence becomes a row of the batch (its cache appended, its drafter adopted)."""
-        s = p.seq
-        if self.batched is not None:
-            self.batched.adopt(p.drafter)
-        elif p.drafter is not None:
-            s.drafter = p.drafter
-            if hasattr(s.drafter, "flush"):  # what is left of its prefill now, not in the next (timed) step
-                s.drafter.flush()
-                host.wait([c.state for c in getattr(s.drafter, "cache", [])])
-        self.cache = append_sequence(self.cache, p.cache)
-        s.hidden_rows = list(p.hidden)
-        host.wait([a for bc in self.cache for a in bc.state])
-        s.t_decode = time.perf_counter()
-        self.seqs.append(s)
-        self._reshaped = True
-
-    def _drop(self, rows: list[int]) -> None:
-        """Remove these rows (finished or cancelled), their entries stored in the prefix tree first."""
-        if not rows:
-            return
-        for i in rows:
-            s = self.seqs[i]
-            fed = s.history[:-1]  # every committed token but the last is in the cache
-            if self.prefix_cache is not None and len(fed) > self.prefix_cache.match(fed):
-                states = [tree_map(lambda a: a[:, :, : len(fed)], bc.row(i)) for bc in self.cache]
-                hidden = mx.concatenate(s.hidden_rows)[: len(fed)] if s.hidden_rows else None
-                if self.prefix_cache.with_hidden and (hidden is None or hidden.shape[0] < len(fed)):
-                    continue
-                self.prefix_cache.insert(fed, states, hidden)
-        keep = [i for i in range(len(self.seqs)) if i not in set(rows)]
-        for bc in self.cache:
-            bc.keep_rows(keep)
-        if self.batched is not None:
-            self.batched.keep_rows(keep)
-        self.seqs = [self.seqs[i] for i in keep]
-        self._reshaped = True
-
     # -- one step ---------------------------------------------------------------------------------------
     def step(self) -> list[Output]:
-        """Advance every running sequence by one verify pass (or one plain token). Returns their new tokens."""
+        """Advance every running sequence by one verify pass (or one plain token), and every row still
+        feeding its prompt by one chunk, in ONE forward pass. Returns the new tokens."""
         outputs = []
         cancelled = [i for i, s in enumerate(self.seqs) if s.cancelled]
         for i in cancelled:
             s = self.seqs[i]
             outputs.append(Output(s.id, [], "cancelled", s.stats(self.num_draft)))
         self._drop(cancelled)
-        self._prefill_once(outputs)
+        self._start_next(outputs)
+        b = len(self.seqs)
+        feeding = [self.prefills.feeding(s) for s in self.seqs]
+        self._feed_drafter(sum(f is not None for f in feeding))
         if not self.seqs:
             return outputs
-        b = len(self.seqs)
-        k = self.policy.next_k(b) if self.drafter is not None else 0
-        # each row's own k: what it drafts (at most the batch's k, its request's ceiling, its drafter's limit),
-        # and what the acceptance rule reads of it (no more than the row has room for before max_tokens)
-        drafting = self.policy.row_ks(k, [s.evidence for s in self.seqs], [self._cap(s) for s in self.seqs]) \
-            if k else [0] * b
-        ks = [min(d, s.max_tokens - s.generated - 1) for d, s in zip(drafting, self.seqs)]
-        k = max(ks)  # the verify pass's width - 1; a row with fewer drafts is padded
+        # a row whose drafter is still being fed its prompt waits (its pass rows are trimmed whole): a row's
+        # tokens never depend on when the steps around it let its drafter catch up
+        idle = [feeding[i] is None and s.id in self.prefills.joining for i, s in enumerate(self.seqs)]
+        decoding = [i for i in range(b) if feeding[i] is None and not idle[i]]
+        ready = [self._ready_to_draft(s) for s in self.seqs]
+        k = self.policy.next_k(len(decoding)) if self.drafter is not None and decoding and any(ready) else 0
+        caps = [self._cap(s) if ready[i] else 0 for i, s in enumerate(self.seqs)]
+        drafting = self.policy.row_ks(k, [self.seqs[i].evidence for i in decoding], [caps[i] for i in decoding]) \
+            if k else [0] * len(decoding)
+        ks = [0] * b
+        for i, d in zip(decoding, drafting):
+            ks[i] = min(d, self.seqs[i].max_tokens - self.seqs[i].generated - 1)
+        k = max(ks)
+        chunk = 0
+        if any(f is not None for f in feeding):
+            cap = self.max_k + 1 if decoding and self.max_k < 1 << 30 else None  # invariant passes stay covered
+            chunk = self.prefills.chunk_size(self.step_times, len(decoding), cap)
+        fed = [min(chunk, f.total - f.done) if f is not None else 0 for f in feeding]
+        width = max([k + 1 if decoding else 1] + fed)  # the pass's tokens per row
         t0 = time.perf_counter()
-        # a row draws its random keys only for drafts it can keep: its draws never depend on the other rows
-        if k > 0 and self.batched is not None:  # one head pass per draft step drafts k for every row
-            keys = [s.next_key() if ki else mx.random.key(0) for s, ki in zip(self.seqs, ks)]
-            drafts = self.batched.propose(k, [s.sampling for s in self.seqs], keys)
-        elif k > 0:
-            drafts = [padded(s.propose(ki) if ki else None, k, s.last) for s, ki in zip(self.seqs, ks)]
-        else:
-            drafts = None
-        last = mx.array([[s.last] for s in self.seqs], dtype=mx.int32)
-        inputs = mx.concatenate([last, mx.stack([d.tokens for d in drafts])], axis=1) if k > 0 else last
-        logits, hidden = self.target.forward_batch(inputs, self.cache, self.want_hidden)
-        outs = []
-        for i, s in enumerate(self.seqs):  # the acceptance rule over the row's own ki drafts
+        drafts = self._drafts(k, ks, width, decoding) if k > 0 else {}
+        rows = []
+        for i, s in enumerate(self.seqs):
+            if idle[i]:
+                rows.append(mx.full((width,), s.last, dtype=mx.int32))
+            elif feeding[i] is not None:
+                toks = feeding[i].chunk(fed[i])
+                rows.append(mx.array(toks + [toks[-1]] * (width - len(toks)), dtype=mx.int32))
+            elif i in drafts:
+                rows.append(mx.concatenate([mx.array([s.last], dtype=mx.int32), drafts[i].tokens]))
+            else:
+                rows.append(mx.full((width,), s.last, dtype=mx.int32))
+        logits, hidden = self.target.forward_batch(mx.stack(rows), self.cache, self.want_hidden)
+        outs, firsts = [], []
+        for i, s in enumerate(self.seqs):  # the acceptance rule over the row's own ki drafts; a prompt's first token
+            f = feeding[i]
+            if idle[i]:
+                continue
+            if f is not None:
+                if f.done + fed[i] == f.total:
+                    context = mx.array(s.prompt[-s.sampling.repetition_context:]) if s.sampling.penalized else None
+                    outs.append(choose_row(logits[i, fed[i] - 1 : fed[i]], context, mx.zeros((0,), mx.int32), None,
+                                           s.sampling, s.next_key()))
+                    firsts.append(i)
+                continue
             ki = ks[i]
             d_tokens = drafts[i].tokens[:ki] if ki > 0 else mx.zeros((0,), mx.int32)
             d_probs = drafts[i].probs[:ki] if ki > 0 and drafts[i].probs is not None else None
             context = None
             if s.sampling.penalized:
                 context = mx.concatenate([mx.array(s.history[-s.sampling.repetition_context :]), d_tokens])
-            row_logits = logits[i] if ki == k else logits[i, : ki + 1]
-            outs.append(choose_row(row_logits, context, d_tokens, d_probs, s.sampling, s.next_key()))
-        values = host.read(mx.concatenate(outs))  # the step's one host synchronisation
+            outs.append(choose_row(logits[i, : ki + 1], context, d_tokens, d_probs, s.sampling, s.next_key()))
+        values = host.read(mx.concatenate(outs)) if outs else []  # the step's one host synchronisation
         seconds = time.perf_counter() - t0
-        self.step_times = self.step_times[-63:] + [seconds]
+        if not chunk:  # a step that fed no prompt: the reference of the chunks' budget
+            self.step_times = self.step_times[-63:] + [seconds]
+        else:
+            self.prefills.observe(max(fed), seconds)
         reshaped, self._reshaped = self._reshaped, False
         accepted, finished, start = [], [], 0
         for i, s in enumerate(self.seqs):
+            f = feeding[i]
+            h = hidden[i] if hidden is not None else None
+            if idle[i]:
+                for bc in self.cache:
+                    bc.trim_row(i, width)
+                continue
+            if f is not None:
+                for bc in self.cache:
+                    bc.trim_row(i, width - fed[i])  # the row's padding
+                if h is not None:
+                    f.hidden.append(h[: fed[i]])
+                f.done += fed[i]
+                if i in firsts:
+                    first = values[start + 1]
+                    start += 2
+                    if self._first_token(f, first, outputs):
+                        finished.append(i)
+                continue
             ki = ks[i]
             row = values[start : start + ki + 2]  # [n, t_0..t_ki]
             start += ki + 2
             n = row[0]
             tokens = row[1 : n + 2]
             for bc in self.cache:
-                bc.trim_row(i, k - n)  # the rejected drafts and the row's padding
-            h = hidden[i] if hidden is not None else None
-            if self.batched is not None:
-                self.batched.commit(i, Verdict(k, n, tokens), h)
-            elif s.drafter is not None:
-                s.drafter.commit(Verdict(ki, n, tokens), h)
+                bc.trim_row(i, width - 1 - n)  # the rejected drafts and the row's padding
+            self._commit(s, k, ki, n, tokens, h)
             if h is not None:
                 s.hidden_rows.append(h[: n + 1])
             real = min(getattr(drafts[i], "n_real", k), ki) if ki > 0 else 0
@@ -342,12 +302,25 @@ class BatchEngine:
             outputs.append(Output(s.id, emitted, reason, s.stats(self.num_draft) if reason else None))
             if reason:
                 finished.append(i)
-        # a step right after rows joined or left also gathers the batch caches anew: not a cost of (b, k)
-        self.policy.observe(b, k, accepted, seconds, ks, [s.evidence for s in self.seqs], timed=not reshaped)
-        self.k_steps[k] = self.k_steps.get(k, 0) + 1
+        # a step right after rows joined or left, or that fed prompt chunks, costs more than (b, k) alone
+        self.policy.observe(len(decoding), k, accepted, seconds, [ks[i] for i in decoding],
+                            [self.seqs[i].evidence for i in decoding], timed=not reshaped and len(decoding) == b)
+        if decoding:
+            self.k_steps[k] = self.k_steps.get(k, 0) + 1
         self._drop(finished)
         self.steps += 1
         return outputs
+
+    def _drafts(self, k: int, ks: list[int], width: int, decoding: list[int]) -> dict:
+        """Each decoding row's drafts, padded to the pass's width - 1 (rows that draw no key draft nothing)."""
+        if self.batched is not None:  # one head pass per draft step drafts k for every adopted row
+            keys = [s.next_key() if ks[self.seqs.index(s)] else mx.random.key(0) for s in self.adopted]
+            proposed = self.batched.propose(k, [s.sampling for s in self.adopted], keys)
+            by_seq = {id(s): d for s, d in zip(self.adopted, proposed)}
+            return {i: padded(by_seq.get(id(self.seqs[i])) if ks[i] else None, width - 1, self.seqs[i].last)
+                    for i in decoding}
+        return {i: padded(self.seqs[i].propose(ks[i]) if ks[i] else None, width - 1, self.seqs[i].last)
+                for i in decoding}
 
     def _cap(self, s: RunningSequence) -> int:
         """The most row s may draft: its request's ceiling and its drafter's limit."""

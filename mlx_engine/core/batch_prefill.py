@@ -1,17 +1,24 @@
-"""The batch engine's prefill queue: new sequences are prefilled a chunk per engine step, beside the
-running batch, so a long prompt never stops the streams already decoding.
+"""The batch engine's joining sequences: a new prompt is prefilled INSIDE the batch's own steps, a chunk per
+step, so a long prompt never stops the streams already decoding and never pays a pass of its own.
 
-A sequence waits here from `add` until it joins the batch, in two stages:
-  1. the target: its prompt is fed in chunks into a single-sequence cache (from the longest prefix the
-     prefix tree holds); after the last prompt token its first token is sampled and handed out at once
-     (time to first token does not wait for the drafter);
-  2. the drafter: a drafter that keeps state over the prompt (an MTP head, a draft model) is begun and
-     fed its pending prompt a chunk at a time (`prefill_pending`); then the sequence is ready to join.
-Each engine step advances ONE chunk of the sequence with the fewest tokens left (short prompts are not
-held behind long ones). A chunk is sized to a time budget (core/chunk_sizer.py): twice the median step
-of the running batch, or `idle_budget` seconds when nothing runs (new arrivals and cancellations are
-then seen within about that). A cancelled sequence leaves at once; what it had fed goes to the prefix
-tree, so a retry resumes there.
+A sequence goes through three stages:
+  0. queued (`add`): no row yet. At most one queued sequence starts per step: it gets a row of the batch
+     cache at once, holding the longest prefix the prefix tree, or another row of the batch, already has
+     (copied in); with nothing to reuse the row is empty (a batch with no rows yet feeds the first chunk
+     alone: the cache's shapes come from it). A prompt that shares a longer prefix with a row still being
+     prefilled waits for that row to feed it (two clients sending one long prompt prefill it once).
+  1. its prompt: every step, each such row feeds the next `chunk` tokens of its prompt as its rows of the
+     batch's forward pass, beside the decoding rows' [last, drafts] (a row with fewer tokens is padded and
+     its padding trimmed right after, as for drafts). The step that feeds the last prompt token samples its
+     first token from that token's logits and hands it out at once.
+  2. its drafter: a drafter that keeps state over the prompt (an MTP head, a draft model) is begun on the
+     prompt and fed a chunk per step (`prefill_pending`) while the row already decodes plainly; then it
+     drafts like the others' (the batched MTP head adopts it as a row).
+The chunk is sized from measured step times (core/chunk_sizer.py): the whole step, decoding rows and
+chunk together, is held to `STEP_BUDGET` x the median step of decoding alone (a stream's gap between
+tokens stays within ~2.5x its median: the weights are read once for both), or `idle_budget` seconds
+when no row decodes (new arrivals and cancellations are then seen within about that). A cancelled
+sequence leaves at once; what it had fed goes to the prefix tree, so a retry resumes there.
 """
 
 from __future__ import annotations
@@ -20,24 +27,24 @@ import time
 from dataclasses import dataclass, field
 
 import mlx.core as mx
+from mlx.utils import tree_map
 
-from .. import host
-from ..target import prefix_cache as prefix_ops
 from .batch_sequence import RunningSequence
 from .chunk_sizer import ChunkSizer
+
+STEP_BUDGET = 2.5  # a step that feeds prompt chunks may take this many times the median decoding step
+WAIT_FOR_TWIN = 32  # a new prompt waits for a row still feeding this many more tokens it shares
 
 
 @dataclass
 class Prefilling:
     seq: RunningSequence
-    cache: list  # the single-sequence target cache
-    done: int  # prompt positions the cache holds
-    reused: int  # of which came from the prefix tree
+    done: int = 0  # prompt positions its row holds
+    reused: int = 0  # of which were copied in (prefix tree or another row)
     hidden: list = field(default_factory=list)  # target hidden rows of those positions (drafters that read them)
     drafter: object | None = None  # stage 2: the begun drafter while its pending prompt is fed
     drafter_left: int = 0  # its pending prompt positions (what prefill_pending last said)
     sampled: bool = False  # stage 1 done: the first token is out
-    sizer: ChunkSizer = field(default_factory=ChunkSizer)
     drafter_sizer: ChunkSizer = field(default_factory=lambda: ChunkSizer(first=64, largest=2048))
     started: float = field(default_factory=time.perf_counter)
 
@@ -49,86 +56,95 @@ class Prefilling:
         """Prompt positions still to feed (the drafter's pending count once the target is done)."""
         return self.total - self.done if not self.sampled else self.drafter_left
 
+    def chunk(self, n: int) -> list[int]:
+        """The next (at most) n prompt tokens to feed."""
+        return self.seq.prompt[self.done : self.done + n]
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
 
 class PrefillQueue:
-    def __init__(self, target, want_hidden, tree: prefix_ops.PrefixCache | None, prefill_step: int = 512,
-                 idle_budget: float = 1.0):
+    def __init__(self, target, want_hidden, tree, prefill_step: int = 512, idle_budget: float = 1.0):
         self.target, self.want_hidden, self.tree = target, want_hidden, tree
         self.prefill_step, self.idle_budget = prefill_step, idle_budget
-        self.waiting: list[Prefilling] = []
+        self.queued: list[Prefilling] = []  # stage 0
+        self.joining: dict[object, Prefilling] = {}  # stages 1 and 2, by sequence id (their rows are in the batch)
+        self.sizer = ChunkSizer(first=8, largest=prefill_step)
 
     def __len__(self) -> int:
-        return len(self.waiting)
+        """Sequences that have not joined yet (queued, or a row still feeding its prompt)."""
+        return len(self.queued) + sum(not p.sampled for p in self.joining.values())
+
+    @property
+    def waiting(self) -> list[Prefilling]:
+        return self.queued + list(self.joining.values())
 
     def add(self, seq: RunningSequence) -> Prefilling:
-        """Queue a sequence (no device work: the prefix tree is read when its prefill runs)."""
-        p = Prefilling(seq, self.target.make_cache(), 0, 0, sizer=ChunkSizer(largest=self.prefill_step))
-        self.waiting.append(p)
+        p = Prefilling(seq)
+        self.queued.append(p)
         return p
-
-    def _catch_up(self, p: Prefilling) -> None:
-        """Start from the prefix tree when it holds more of p's prompt than p has fed (a sequence with the
-        same prompt may have finished its prefill since p was queued)."""
-        if self.tree is None or self.tree.match(p.seq.prompt[:-1]) <= p.done:
-            return
-        hit = self.tree.lookup(p.seq.prompt[:-1])
-        if hit.n <= p.done:
-            return
-        p.cache = self.target.make_cache()
-        prefix_ops.fill(p.cache, hit.layers, hit.n)
-        p.hidden = [hit.hidden] if hit.hidden is not None else []
-        p.done = p.reused = p.seq.reused = hit.n
-
-    def remove(self, p: Prefilling, keep_fed: bool = True) -> None:
-        """p leaves the queue; keep_fed: what it fed goes to the prefix tree (its cache is handed over)."""
-        self.waiting.remove(p)
-        if keep_fed:
-            self.remember(p.seq.prompt[: p.done], p.cache, p.hidden)
-
-    def remember(self, tokens: list[int], cache: list, hidden: list) -> None:
-        """Store a single-sequence cache's first len(tokens) positions in the prefix tree. The cache is handed
-        over (never written again), so the tree keeps views of it: no copy."""
-        n = len(tokens)
-        if self.tree is None or n == 0:
-            return
-        rows = None
-        if self.tree.with_hidden:
-            if sum(h.shape[0] for h in hidden) < n:
-                return
-            rows = mx.concatenate(hidden)[:n] if len(hidden) > 1 else hidden[0][:n]
-        self.tree.insert(tokens, prefix_ops.layer_states(cache, n), rows, copy=False)
 
     def status(self) -> list[dict]:
         return [{"id": p.seq.id, "done": p.done, "total": p.total, "stage": "drafter" if p.sampled else "target"}
                 for p in self.waiting]
 
-    def next(self) -> Prefilling | None:
-        """The sequence with the fewest tokens left (shortest first: a short prompt never waits out a long one)."""
-        return min(self.waiting, key=lambda p: p.left(), default=None)
+    def feeding(self, seq: RunningSequence) -> Prefilling | None:
+        """The row's record while its prompt is being fed (stage 1), else None."""
+        p = self.joining.get(seq.id)
+        return p if p is not None and not p.sampled else None
 
-    # -- one chunk ---------------------------------------------------------------------------------------
-    def target_chunk(self, p: Prefilling, budget: float | None):
-        """Feed one chunk of p's prompt. -> the last prompt token's logits [1, V] once the prompt is in, else
-        None."""
-        body_end = p.total - 1  # the last prompt token is fed alone (its logits give the first token)
-        self._catch_up(p)
-        if p.done < body_end:
-            n = min(p.sizer.size(budget), body_end - p.done)
-            t = time.perf_counter()
-            chunk = p.seq.prompt[p.done : p.done + n]
-            _, h = self.target.forward(mx.array(chunk), p.cache, self.want_hidden)
-            host.wait([c.state for c in p.cache] + ([h] if self.want_hidden else []))
-            p.sizer.observe(n, time.perf_counter() - t, budget is not None)
-            p.done += n
-            if self.want_hidden:
-                p.hidden.append(h)
-            return None
-        logits, h = self.target.forward(mx.array(p.seq.prompt[-1:]), p.cache, self.want_hidden)
-        p.done += 1
-        if self.want_hidden:
-            p.hidden.append(h)
-        return logits
+    # -- stage 0 -> 1 -------------------------------------------------------------------------------------
+    def next_start(self, rows: list[tuple[list[int], int, bool]]) -> tuple[Prefilling, int, int | None] | None:
+        """The queued sequence to start now, shortest first: (p, reusable positions, the batch row to copy
+        them from or None for the prefix tree), or None. rows: each batch row's (tokens, positions it holds
+        of them, whether it is still feeding its prompt). A prompt that shares at least WAIT_FOR_TWIN
+        tokens with a row still feeding them waits until they are fed, then starts from them."""
+        for p in sorted(self.queued, key=lambda p: p.total):
+            body = p.seq.prompt[:-1]
+            best, source = (self.tree.match(body) if self.tree is not None else 0), None
+            wait = False
+            for r, (tokens, held, feeding) in enumerate(rows):
+                shared = common_prefix(body, tokens)
+                if min(shared, held) > best:
+                    best, source = min(shared, held), r
+                wait = wait or (feeding and held < shared and shared >= WAIT_FOR_TWIN)
+            if not wait:
+                return p, best, source
+        return None
 
+    def start(self, p: Prefilling, held: int, reused: int) -> None:
+        """p's row holds its first `held` prompt positions, `reused` of them copied in."""
+        self.queued.remove(p)
+        self.joining[p.seq.id] = p
+        p.done, p.reused = held, reused
+        p.seq.reused = reused
+
+    def tree_hit(self, p: Prefilling):
+        """The prefix tree's entries for p's prompt (per layer (keys, values) of [1, H, n, D]) and hidden rows."""
+        return self.tree.lookup(p.seq.prompt[:-1])
+
+    # -- stage 1 --------------------------------------------------------------------------------------
+    def chunk_size(self, step_times: list[float], decoding: int, cap: int | None) -> int:
+        """Prompt tokens each feeding row may put in this step: sized to STEP_BUDGET x the median decoding
+        step, or idle_budget when no row decodes; at most cap (the invariance contract's rows)."""
+        if decoding and step_times:
+            recent = sorted(step_times[-32:])
+            budget = STEP_BUDGET * recent[len(recent) // 2]
+        else:
+            budget = self.idle_budget
+        n = min(self.sizer.size(budget), self.prefill_step)
+        return min(n, cap) if cap else n
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        self.sizer.observe(tokens, seconds, True)
+
+    # -- stage 2 ----------------------------------------------------------------------------------------
     def drafter_chunk(self, p: Prefilling, budget: float | None) -> bool:
         """Feed one chunk of the begun drafter's pending prompt. True when it has nothing left to feed."""
         feed = getattr(p.drafter, "prefill_pending", None)
@@ -141,9 +157,24 @@ class PrefillQueue:
         return p.drafter_left == 0
 
     def budget(self, step_times: list[float], running: int) -> float:
-        """Seconds one chunk may take: twice the running batch's median step (its streams then wait at most
-        ~3x their median between tokens), or idle_budget when no sequence is decoding."""
+        """Seconds a drafter chunk may take: the running batch's median step, or idle_budget when none decodes."""
         if running == 0 or not step_times:
             return self.idle_budget
         recent = sorted(step_times[-32:])
-        return 2.0 * recent[len(recent) // 2]
+        return recent[len(recent) // 2]
+
+    def leave(self, p: Prefilling) -> None:
+        """p leaves (joined, finished or cancelled)."""
+        if p in self.queued:
+            self.queued.remove(p)
+        self.joining.pop(p.seq.id, None)
+
+
+def row_prefix(states: list, n: int) -> list:
+    """The first n positions of per-layer (keys, values) states [1, H, L, D] (quantized: parts)."""
+    return [tree_map(lambda a: a[:, :, :n], s) for s in states]
+
+
+def empty_like(states):
+    """(keys, values) of zero positions shaped like a batch cache's: [1, H, 0, D] (quantized: parts)."""
+    return tree_map(lambda a: mx.zeros((1, a.shape[1], 0, a.shape[3]), a.dtype), states)

@@ -87,24 +87,20 @@ class Engine:
         """max_draft: the longest draft the adaptive policy tries (None: the drafter's own, else 8).
         batch_invariant: decode (plain and verify) batch invariant, so speculative output equals plain output
         bit for bit on any device: True / "kernels" (target/batch_invariant.py), "fixed" (fixed-row passes,
-        target/fixed_rows.py). None: core/invariance_default.py's rule (off, until it pays on a GPU), except
-        with a quantized KV cache: "kernels" there (see kv_bits).
+        target/fixed_rows.py). None: core/invariance_default.py's rule; "kernels" with a quantized KV cache.
         context_length: the model's context window (models.context_length); a prompt plus max_tokens beyond
         it is refused before any work (ContextLengthError). None: not checked.
         prefix_cache_bytes: > 0 keeps a prefix tree of that size (target/prefix_cache.py) that prompts of other
         conversations start from, filled after each generation (`held.prefix_cache_off` says why a model's
         cache cannot be kept by prefix); prefix_tree: a tree shared with other engines instead (one that keeps
         hidden rows serves engines that read none as well).
-        kv_bits / kv_group_size: the target's KV cache quantized (target/cache.py). A float-level difference
-        in a key or value (a verify pass's rows against a decode step's, one prompt chunking against
-        another) can flip its quantization code and move later logits by tenths, far past a float tie: so a
-        quantized cache decodes batch invariant by default, its prompt too in passes of at most max_rows
-        tokens, and speculative output equals plain output with the same cache, bit for bit, whatever the
-        chunking. batch_invariant=False gives stock passes (faster, not lossless with such a cache).
+        kv_bits / kv_group_size: the target's KV cache quantized (target/cache.py), batch invariant by default
+        and its prompt fed in passes of at most max_rows tokens: a float-level difference in a key flips its
+        code (README, Long contexts); batch_invariant=False: stock passes (not lossless with such a cache).
         memory: a budget (core/memory.py) each prompt + max_tokens is checked against before any work."""
         self.memory = memory
         self.context_length = context_length
-        if batch_invariant is None:  # the device's default; with a quantized KV cache the kernels' mode (see kv_bits)
+        if batch_invariant is None:
             batch_invariant = invariance_default.default_invariance() if kv_bits is None else "kernels"
         cache_ops.check_kv_quantization(kv_bits, kv_group_size)
         if kv_bits is not None and batch_invariant == "fixed":
@@ -123,9 +119,7 @@ class Engine:
         tree = prefix_tree or (PrefixCache(prefix_cache_bytes, with_hidden=hidden_request(drafter) is not None)
                                if prefix_cache_bytes > 0 else None)
         self.held = HeldCache(self.target, tree)  # the target cache and exactly the tokens it holds
-        if self.batch_invariant and kv_bits is not None:
-            # a quantized cache's codes flip at a float-level difference: the prompt too is fed in passes the
-            # contract covers, so its entries are those of token-by-token decoding whatever the chunking
+        if self.batch_invariant and kv_bits is not None:  # the prompt's codes too as token-by-token decoding's
             self.held.largest_chunk = self.max_rows
         self.trees = Trees(self)  # token-tree drafts (core/tree_verify.py); `trees.off` says why not
 

@@ -1,0 +1,193 @@
+"""The batch engine's rows: a queued sequence getting its row (a prefix copied in from the prefix tree or
+another row, or an empty row), a row leaving (its entries stored in the prefix tree), a row's first token,
+and its drafter's stage (begun on the prompt, fed a chunk per step, then drafting: adopted by the batched
+MTP head or kept as the row's own). BatchEngine (core/batch_engine.py) holds the state; this is its half
+that changes which rows there are.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+
+import mlx.core as mx
+from mlx.utils import tree_map
+
+from .. import host
+from ..drafters.base import Verdict
+from ..target.batch_cache import BatchKVCache, QuantizedBatchKVCache
+from .batch_prefill import Prefilling, empty_like, row_prefix
+from .batch_sequence import Output, RunningSequence
+
+
+class BatchRows:
+    # -- a new sequence's row --------------------------------------------------------------------------
+    def _held(self, s: RunningSequence) -> tuple[list[int], int, bool]:
+        """(tokens, how many of them row s's cache entries hold, whether it is still feeding its prompt)."""
+        p = self.prefills.feeding(s)
+        return (s.prompt, p.done, True) if p is not None else (s.history, len(s.history) - 1, False)
+
+    def _hidden_of(self, s: RunningSequence) -> list:
+        p = self.prefills.feeding(s)
+        return p.hidden if p is not None else s.hidden_rows
+
+    def _start_next(self, outputs: list[Output]) -> None:
+        """Give one queued sequence its row: the longest prefix the prefix tree or another row holds is copied
+        in; with nothing to reuse the row starts empty (a batch without rows: its first chunk fed alone)."""
+        for p in [p for p in self.prefills.queued if p.seq.cancelled]:
+            self.prefills.leave(p)
+            outputs.append(Output(p.seq.id, [], "cancelled", p.seq.stats(self.num_draft)))
+        found = self.prefills.next_start([self._held(s) for s in self.seqs])
+        if found is None:
+            return
+        p, n, source = found
+        states, hidden = None, []
+        if n and source is None:
+            hit = self.prefills.tree_hit(p)
+            n, states = hit.n, hit.layers
+            hidden = [hit.hidden] if hit.hidden is not None else []
+        elif n:
+            states = row_prefix([bc.row(source) for bc in self.cache], n)
+            rows = self._hidden_of(self.seqs[source])
+            hidden = [mx.concatenate(rows)[:n]] if self.want_hidden and rows else []
+        reused = n
+        if n:
+            self._append_row(states)
+        elif self.cache:
+            self._append_row([empty_like(bc.row(0)) for bc in self.cache])
+        else:  # no rows to take shapes from: feed the first chunk alone (nobody is decoding to wait for it)
+            n = self._first_chunk_alone(p, hidden)
+        p.hidden = hidden
+        self.prefills.start(p, n, reused)
+        self.seqs.append(p.seq)
+
+    def _append_row(self, states: list) -> None:
+        """A new row from per-layer (keys, values) [1, H, n, D]: copied into the batch cache."""
+        if not self.cache:
+            self.cache = [QuantizedBatchKVCache(c.group_size, c.bits) if hasattr(c, "bits") else BatchKVCache()
+                          for c in self.target.make_cache()]
+        for bc, (keys, values) in zip(self.cache, states):
+            bc.add_row(keys, values)
+        host.wait([a for bc in self.cache for a in bc.state])
+        self._reshaped = True
+
+    def _first_chunk_alone(self, p: Prefilling, hidden: list) -> int:
+        """The first row of an empty batch: p's first chunk through a single-sequence cache (its hidden rows
+        added to `hidden`), appended as the batch's first row. A one-token prompt feeds its token and trims
+        it again (the row then starts empty). -> the positions the row holds."""
+        n = max(1, min(self.prefills.chunk_size([], 0, None), p.total - 1))
+        single = self.target.make_cache()
+        _, h = self.target.forward(mx.array(p.seq.prompt[:n]), single, self.want_hidden)
+        if p.total == 1:
+            n = 0
+        elif self.want_hidden:
+            hidden.append(h)
+        self._append_row([tree_map(lambda a: a[..., :n, :], (c.keys, c.values)) for c in single])
+        return n
+
+    def _drop(self, rows: list[int]) -> None:
+        """Remove these rows (finished or cancelled), their entries stored in the prefix tree first."""
+        if not rows:
+            return
+        for i in rows:
+            s = self.seqs[i]
+            tokens, held, _ = self._held(s)
+            fed = tokens[:held]  # every token whose entries the row holds
+            if self.prefix_cache is not None and len(fed) > self.prefix_cache.match(fed):
+                states = [tree_map(lambda a: a[:, :, : len(fed)], bc.row(i)) for bc in self.cache]
+                rows_h = self._hidden_of(s)
+                hidden = mx.concatenate(rows_h)[: len(fed)] if rows_h else None
+                if not (self.prefix_cache.with_hidden and (hidden is None or hidden.shape[0] < len(fed))):
+                    self.prefix_cache.insert(fed, states, hidden)
+            p = self.prefills.joining.get(s.id)
+            if p is not None:
+                self.prefills.leave(p)
+        gone = {id(self.seqs[i]) for i in rows}
+        keep = [i for i in range(len(self.seqs)) if i not in set(rows)]
+        for bc in self.cache:
+            bc.keep_rows(keep)
+        if self.batched is not None and any(id(s) in gone for s in self.adopted):
+            self.batched.keep_rows([j for j, s in enumerate(self.adopted) if id(s) not in gone])
+            self.adopted = [s for s in self.adopted if id(s) not in gone]
+        self.seqs = [self.seqs[i] for i in keep]
+        if not self.seqs:
+            self.cache = []
+        self._reshaped = True
+
+    # -- stage 2: the drafter ----------------------------------------------------------------------------
+    def _begin_drafter(self, p: Prefilling) -> None:
+        """After p's first token: its drafter begun on the prompt (fed a chunk per step from now on)."""
+        s = p.seq
+        hidden = mx.concatenate(p.hidden) if self.want_hidden else None
+        p.hidden = [hidden] if hidden is not None else []
+        s.hidden_rows = list(p.hidden)
+        if self.batched is not None:
+            p.drafter = self.batched.begin_row(s.history, hidden)
+        elif self.drafter is not None:
+            p.drafter = copy.copy(self.drafter)
+            p.drafter.begin(list(s.history), hidden)
+        p.drafter_left = len(s.history) if p.drafter is not None else 0
+        if p.drafter is None:
+            self.prefills.leave(p)
+        elif not hasattr(p.drafter, "prefill_pending"):  # nothing to feed (prompt lookup): drafts from the next step
+            self._ready(p)
+
+    def _feed_drafter(self, feeding_rows: int) -> None:
+        """One chunk of one begun drafter's prompt (in a step that feeds no prompt chunk: steps do not stack);
+        a drafter with nothing left joins: its row drafts from the next step."""
+        if feeding_rows:
+            return
+        p = next((p for p in self.prefills.joining.values() if p.sampled), None)
+        if p is None:
+            return
+        if self.prefills.drafter_chunk(p, self.prefills.budget(self.step_times, len(self.seqs))):
+            self._ready(p)
+
+    def _ready(self, p: Prefilling) -> None:
+        s = p.seq
+        if self.batched is not None:
+            self.batched.adopt(p.drafter)
+            self.adopted.append(s)
+        else:
+            s.drafter = p.drafter
+            if hasattr(s.drafter, "flush"):  # what is left of its prefill now, not in the next (timed) step
+                s.drafter.flush()
+                host.wait([c.state for c in getattr(s.drafter, "cache", [])])
+        self.prefills.leave(p)
+        self._reshaped = True
+
+    def _commit(self, s: RunningSequence, k: int, ki: int, n: int, tokens: list[int], h) -> None:
+        """The row's drafter takes the step's verdict: the batched head (drafted k for every row), the row's
+        own (drafted ki), or one still being fed its prompt (drafted nothing)."""
+        if self.batched is not None and s in self.adopted:
+            self.batched.commit(self.adopted.index(s), Verdict(k, n, tokens), h)
+            return
+        verdict = Verdict(ki, n, tokens)
+        p = self.prefills.joining.get(s.id)
+        drafter = p.drafter if p is not None and p.sampled else s.drafter
+        if drafter is not None:
+            drafter.commit(verdict, h)
+
+    def _ready_to_draft(self, s: RunningSequence) -> bool:
+        if self.prefills.feeding(s) is not None:
+            return False
+        if self.batched is not None:
+            return s in self.adopted
+        p = self.prefills.joining.get(s.id)
+        return s.drafter is not None and p is None
+
+    def _first_token(self, p: Prefilling, first: int, outputs: list[Output]) -> bool:
+        """p's prompt is in: hand out its first token, begin its drafter. True when that token ends it."""
+        s = p.seq
+        s.history.append(first)
+        s.last = first
+        s.prompt_time = time.perf_counter() - p.started
+        s.t_decode = time.perf_counter()
+        p.sampled = True
+        if first in s.stop_tokens or s.max_tokens == 1:
+            outputs.append(Output(s.id, [first], "stop" if first in s.stop_tokens else "length",
+                                  s.stats(self.num_draft)))
+            return True
+        outputs.append(Output(s.id, [first]))
+        self._begin_drafter(p)
+        return False
