@@ -265,10 +265,22 @@ def test_a_request_s_num_draft_caps_its_own_row(llama):
 @pytest.mark.cpu_exact
 def test_a_row_near_its_max_tokens_does_not_cut_the_others_drafts(llama):
     """A row drafts no further than its room before max_tokens, and only its own drafts shrink: three short
-    requests ending next to a long one leave the batch at k = 2 until the long one's own last steps."""
+    requests ending next to a long one leave the long one at 2 drafts a step until its own last steps (a
+    step of k < 2 is one where only rows near their end decode)."""
     reqs = {0: (PROMPTS[3], 40, {}), 1: (PROMPTS[0], 3, {}), 2: (PROMPTS[1], 4, {}), 3: (PROMPTS[2], 5, {})}
     engine = BatchEngine(llama, NgramDrafter(), num_draft=2, max_batch=4)
-    got, _ = run(engine, reqs)
+    step, checked = engine.step, []
+
+    def watched():  # each step's k, where the long row decodes with room for 2 drafts
+        long = next((s for s in engine.seqs if s.id == 0 and s.id not in engine.prefills.joining), None)
+        before = dict(engine.k_steps)
+        outs = step()
+        if long is not None and long.max_tokens - long.generated - 1 >= 2:
+            checked.append([k for k in engine.k_steps if engine.k_steps[k] != before.get(k, 0)])
+        return outs
+
+    engine.step = watched
+    got, done = run(engine, reqs)
     for i, (p, n, _) in reqs.items():
         assert got[i] == alone(llama, p, n)
-    assert sum(n for k, n in engine.k_steps.items() if k < 2) <= 2, engine.k_steps
+    assert len(checked) > 10 and all(ks == [2] for ks in checked), checked

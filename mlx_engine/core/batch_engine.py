@@ -51,6 +51,9 @@ from .memory import MemoryBudget
 from .verify import choose_row
 
 
+REMEASURE = 16  # steps between two that decode alone while prompts are being fed
+
+
 class BatchEngine(BatchRows):
     """Call from one thread (the one that owns MLX): add / cancel / step."""
 
@@ -103,6 +106,7 @@ class BatchEngine(BatchRows):
         self.steps = 0
         self.step_times: list[float] = []  # seconds of recent steps that only decoded (the prefill chunks' budget)
         self.adopted: list[RunningSequence] = []  # the batched MTP head's rows, in its order
+        self._decoded_alone = -REMEASURE  # the last step that fed no prompt chunk
         self._reshaped = False  # rows joined or left since the last step (its time carries the re-layout)
         self.k_steps: dict[int, int] = {}  # steps run at each draft length (reports)
 
@@ -214,17 +218,21 @@ class BatchEngine(BatchRows):
             ks[i] = min(d, self.seqs[i].max_tokens - self.seqs[i].generated - 1)
         k = max(ks)
         chunk = 0
-        if any(f is not None for f in feeding):
+        # while prompts are fed, every REMEASURE-th step decodes alone: the chunks' budget is a multiple of a
+        # decoding step's time, which changes with the batch (and is unknown when all steps so far fed chunks)
+        remeasure = decoding and self.steps - self._decoded_alone >= REMEASURE
+        if any(f is not None for f in feeding) and not remeasure:
             cap = self.max_k + 1 if decoding and self.max_k < 1 << 30 else None  # invariant passes stay covered
             chunk = self.prefills.chunk_size(self.step_times, len(decoding), cap)
         fed = [min(chunk, f.total - f.done) if f is not None else 0 for f in feeding]
         width = max([k + 1 if decoding else 1] + fed)  # the pass's tokens per row
+        idle = [idle[i] or (feeding[i] is not None and fed[i] == 0) for i in range(b)]  # (a remeasuring step)
         t0 = time.perf_counter()
         drafts = self._drafts(k, ks, width, decoding) if k > 0 else {}
         rows = []
         for i, s in enumerate(self.seqs):
             if idle[i]:
-                rows.append(mx.full((width,), s.last, dtype=mx.int32))
+                rows.append(mx.full((width,), s.prompt[0], dtype=mx.int32))
             elif feeding[i] is not None:
                 toks = feeding[i].chunk(fed[i])
                 rows.append(mx.array(toks + [toks[-1]] * (width - len(toks)), dtype=mx.int32))
@@ -256,6 +264,7 @@ class BatchEngine(BatchRows):
         seconds = time.perf_counter() - t0
         if not chunk:  # a step that fed no prompt: the reference of the chunks' budget
             self.step_times = self.step_times[-63:] + [seconds]
+            self._decoded_alone = self.steps
         else:
             self.prefills.observe(max(fed), seconds)
         reshaped, self._reshaped = self._reshaped, False
