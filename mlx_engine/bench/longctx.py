@@ -161,6 +161,8 @@ def run_length(loaded, length, args) -> dict:
     stop = frozenset(getattr(tok, "eos_token_ids", None) or ())
     s = session(lambda msgs: len(encode(tok, msgs)), length)
     prompt = {"messages": s["messages"], "tokens": encode(tok, s["messages"])}
+    if args.stall_only:
+        return {"length": length, "session_files": s["files"], "stall": stall(loaded, prompt["tokens"])}
     tree = PrefixCache(args.prefix_cache_gb * 2**30, with_hidden=True)
     mx.reset_peak_memory()
     cold, warm, nxt, plain_engine = cold_and_next_turn(loaded, tree, prompt, args.max_tokens, stop)
@@ -203,6 +205,7 @@ def main(argv=None) -> int:
                    help="lengths whose prefill is run beside a stream (default 2048,8192; none: no stall runs)")
     p.add_argument("--kv-run-lengths", type=int_list_or_none, default=[2048, 8192],
                    help="lengths given a real --kv-bits run (another cold prefill each; none: no such run)")
+    p.add_argument("--stall-only", action="store_true", help="run only the stall part at each of --lengths")
     p.add_argument("--kv-bits", type=int, choices=cache_ops.KV_BITS, default=4)
     p.add_argument("--kv-group-size", type=int, choices=cache_ops.KV_GROUP_SIZES, default=64)
     p.add_argument("--prefix-cache-gb", type=float, default=4.0, help="the shared prefix tree's budget (GiB)")
@@ -228,7 +231,10 @@ def main(argv=None) -> int:
         for length in args.lengths:
             r = run_length(loaded, length, args)
             results["runs"].append(r)
-            print_row(r)
+            if args.stall_only:
+                print(f"{length:>6} | stall: {r['stall']}", flush=True)
+            else:
+                print_row(r)
             if args.out:
                 with open(args.out, "w") as f:
                     json.dump(results, f, indent=1)
