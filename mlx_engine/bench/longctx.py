@@ -130,7 +130,9 @@ def stall(loaded, long_prompt, stream_tokens=16):
     return {"prefill_s": round(first_long - added, 1), "median_gap_s": round(median, 4),
             "median_gap_during_s": round(statistics.median(during), 4) if during else None,
             "max_gap_during_s": round(max(during), 4) if during else None,
-            "max_over_median": round(max(during) / median, 2) if during else None, "stream_tokens_during": len(during)}
+            "max_over_median": round(max(during) / median, 2) if during else None,
+            "p99_over_median": round(sorted(during)[int(0.99 * (len(during) - 1))] / median, 2) if during else None,
+            "gaps_over_3x": sum(g > 3 * median for g in during), "stream_tokens_during": len(during)}
 
 
 def kv_memory(engine, kv_bits: int, group: int) -> dict:

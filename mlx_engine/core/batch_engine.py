@@ -40,6 +40,7 @@ from ..target import prefix_cache as prefix_ops
 from ..target.batch_cache import BatchKVCache, batchable
 from ..target.cache import check_kv_quantization
 from ..target.fixed_rows import make_invariant_batches
+from ..target import sequence_attention
 from ..target.model import Target
 from . import invariance_default
 from .batch_policy import BatchPolicy, FixedBatchPolicy
@@ -81,6 +82,7 @@ class BatchEngine(BatchRows):
         self.batch_invariant = rows is not None
         self.max_k = rows - 1 if rows else 1 << 30  # the invariance covers passes of k + 1 <= rows tokens
         self.target = Target(model, kv_bits, kv_group_size)
+        sequence_attention.install(model)  # each row attends over its own keys, not the batch's padded length
         self.target.check_cache()
         self.drafter = drafter  # the prototype: every sequence drafts with its own copy
         self.want_hidden = hidden_request(drafter)
@@ -224,7 +226,10 @@ class BatchEngine(BatchRows):
         if any(f is not None for f in feeding) and not remeasure:
             cap = self.max_k + 1 if decoding and self.max_k < 1 << 30 else None  # invariant passes stay covered
             chunk = self.prefills.chunk_size(self.step_times, len(decoding), cap)
-        fed = [min(chunk, f.total - f.done) if f is not None else 0 for f in feeding]
+        fed = [min(chunk, f.total - f.done) if f is not None and not f.fresh else 0 for f in feeding]
+        for f in feeding:
+            if f is not None:
+                f.fresh = False
         width = max([k + 1 if decoding else 1] + fed)  # the pass's tokens per row
         idle = [idle[i] or (feeding[i] is not None and fed[i] == 0) for i in range(b)]  # (a remeasuring step)
         t0 = time.perf_counter()
@@ -240,7 +245,8 @@ class BatchEngine(BatchRows):
                 rows.append(mx.concatenate([mx.array([s.last], dtype=mx.int32), drafts[i].tokens]))
             else:
                 rows.append(mx.full((width,), s.last, dtype=mx.int32))
-        logits, hidden = self.target.forward_batch(mx.stack(rows), self.cache, self.want_hidden)
+        with sequence_attention.idle_rows([i for i in range(b) if idle[i]]):
+            logits, hidden = self.target.forward_batch(mx.stack(rows), self.cache, self.want_hidden)
         outs, firsts = [], []
         for i, s in enumerate(self.seqs):  # the acceptance rule over the row's own ki drafts; a prompt's first token
             f = feeding[i]

@@ -16,7 +16,7 @@ A sequence goes through three stages:
      drafts like the others' (the batched MTP head adopts it as a row).
 The chunk is sized from measured step times (core/chunk_sizer.py): the whole step, decoding rows and
 chunk together, is held to `STEP_BUDGET` x the median step of decoding alone (a stream's gap between
-tokens stays within ~2.5x its median: the weights are read once for both), or `idle_budget` seconds
+tokens stays within ~2.2x its median: the weights are read once for both), or `idle_budget` seconds
 when no row decodes (new arrivals and cancellations are then seen within about that). A cancelled
 sequence leaves at once; what it had fed goes to the prefix tree, so a retry resumes there.
 """
@@ -32,7 +32,7 @@ from mlx.utils import tree_map
 from .batch_sequence import RunningSequence
 from .chunk_sizer import ChunkSizer
 
-STEP_BUDGET = 2.5  # a step that feeds prompt chunks may take this many times the median decoding step
+STEP_BUDGET = 2.2  # a step that feeds prompt chunks may take this many times the median decoding step
 WAIT_FOR_TWIN = 32  # a new prompt waits for a row still feeding this many more tokens it shares
 
 
@@ -45,6 +45,7 @@ class Prefilling:
     drafter: object | None = None  # stage 2: the begun drafter while its pending prompt is fed
     drafter_left: int = 0  # its pending prompt positions (what prefill_pending last said)
     sampled: bool = False  # stage 1 done: the first token is out
+    fresh: bool = True  # its row was made this step (the copies it took are this step's cost: no chunk yet)
     drafter_sizer: ChunkSizer = field(default_factory=lambda: ChunkSizer(first=64, largest=2048))
     started: float = field(default_factory=time.perf_counter)
 
@@ -133,12 +134,14 @@ class PrefillQueue:
     def chunk_size(self, step_times: list[float], decoding: int, cap: int | None) -> int:
         """Prompt tokens each feeding row may put in this step: sized to STEP_BUDGET x the median decoding
         step, or idle_budget when no row decodes; at most cap (the invariance contract's rows)."""
+        base = 0.0
         if decoding and step_times:
             recent = sorted(step_times[-32:])
-            budget = STEP_BUDGET * recent[len(recent) // 2]
+            base = recent[len(recent) // 2]
+            budget = STEP_BUDGET * base
         else:
             budget = self.idle_budget
-        n = min(self.sizer.size(budget), self.prefill_step)
+        n = min(self.sizer.size(budget, base), self.prefill_step)
         return min(n, cap) if cap else n
 
     def observe(self, tokens: int, seconds: float) -> None:

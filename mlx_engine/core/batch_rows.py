@@ -52,22 +52,23 @@ class BatchRows:
             hidden = [mx.concatenate(rows)[:n]] if self.want_hidden and rows else []
         reused = n
         if n:
-            self._append_row(states)
+            self._append_row(states, p.total + 1)
         elif self.cache:
-            self._append_row([empty_like(bc.row(0)) for bc in self.cache])
+            self._append_row([empty_like(bc.row(0)) for bc in self.cache], p.total + 1)
         else:  # no rows to take shapes from: feed the first chunk alone (nobody is decoding to wait for it)
             n = self._first_chunk_alone(p, hidden)
         p.hidden = hidden
         self.prefills.start(p, n, reused)
         self.seqs.append(p.seq)
 
-    def _append_row(self, states: list) -> None:
-        """A new row from per-layer (keys, values) [1, H, n, D]: copied into the batch cache."""
+    def _append_row(self, states: list, capacity: int = 0) -> None:
+        """A new row from per-layer (keys, values) [1, H, n, D]: copied into the batch cache, which then has
+        room for `capacity` positions per row (a prompt's whole length: no growth copy while it is fed)."""
         if not self.cache:
             self.cache = [QuantizedBatchKVCache(c.group_size, c.bits) if hasattr(c, "bits") else BatchKVCache()
                           for c in self.target.make_cache()]
         for bc, (keys, values) in zip(self.cache, states):
-            bc.add_row(keys, values)
+            bc.add_row(keys, values, capacity)
         host.wait([a for bc in self.cache for a in bc.state])
         self._reshaped = True
 
@@ -82,7 +83,7 @@ class BatchRows:
             n = 0
         elif self.want_hidden:
             hidden.append(h)
-        self._append_row([tree_map(lambda a: a[..., :n, :], (c.keys, c.values)) for c in single])
+        self._append_row([tree_map(lambda a: a[..., :n, :], (c.keys, c.values)) for c in single], p.total + 1)
         return n
 
     def _drop(self, rows: list[int]) -> None:
@@ -112,6 +113,9 @@ class BatchRows:
         self.seqs = [self.seqs[i] for i in keep]
         if not self.seqs:
             self.cache = []
+        room = max((p.total + 1 for p in self.prefills.joining.values() if not p.sampled), default=0)
+        for bc in self.cache:  # (keep_rows gives back capacity: a prompt still being fed keeps its room)
+            bc.reserve(room)
         self._reshaped = True
 
     # -- stage 2: the drafter ----------------------------------------------------------------------------

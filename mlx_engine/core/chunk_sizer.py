@@ -1,11 +1,13 @@
 """How many prompt tokens a prefill chunk may take while other sequences are decoding.
 
-A running stream waits for the chunk between two of its steps, so a chunk must fit a time budget (the
-batch engine gives 2x the median step time: a stream's gap then stays within ~3x its median). The cost
-of a chunk of n tokens at offset o is about w + n * c(o): w a pass's fixed cost (reading the weights),
-c(o) a token's, which grows with the keys it attends to. Both are unknown and c drifts as the prompt
-grows, so the size is steered from the last measured chunk: proportional to budget / time taken, at most
-doubling per chunk, starting small.
+A running stream waits for the chunk, so the chunk's step must fit a time budget (core/batch_prefill.py:
+a multiple of the median decoding step). A step that carries a chunk of n tokens costs about base + n * c:
+base what the step costs without the chunk (the decoding rows, and reading the weights once), c a prompt
+token's share, which grows with the keys it attends to (on this CPU, MLX's softmax is the bulk of it: ~12 ns
+an exp, so ~30 ms a token at 8k keys for a 135M model). Neither is known in advance and c drifts as the
+prompt grows, so the size is steered from the last measured chunk: c = (t - base) / n, the next n the most
+that fits budget x margin, at most doubling per chunk, at least one token, starting small. Without a base
+(a chunk that is its own pass) the model is t = n * c.
 """
 
 from __future__ import annotations
@@ -17,17 +19,20 @@ class ChunkSizer:
         self.n = min(first, largest)
         self.last: tuple[int, float] | None = None  # (tokens, seconds) of the last timed chunk
 
-    def size(self, budget: float | None) -> int:
-        """Tokens for the next chunk; budget None: no one is waiting, take the largest."""
+    def size(self, budget: float | None, base: float = 0.0) -> int:
+        """Tokens for the next chunk; budget None: no one is waiting, take the largest. base: seconds of the
+        step without a chunk (0 when the chunk is its own pass)."""
         if budget is None:
             return self.largest
         if self.last is not None:
             n, t = self.last
-            scaled = int(n * self.margin * budget / t) if t > 0 else 2 * n
-            self.n = max(1, min(scaled, 2 * n, self.largest))
+            per_token = (t - base) / n
+            room = self.margin * budget - base
+            fits = int(room / per_token) if per_token > 0 else 2 * n
+            self.n = max(1, min(fits, 2 * n, self.largest))
         return self.n
 
     def observe(self, tokens: int, seconds: float, budgeted: bool) -> None:
         """A chunk's measured time (only chunks sized to a budget steer the next size)."""
-        if budgeted:
+        if budgeted and tokens > 0:
             self.last = (tokens, seconds)

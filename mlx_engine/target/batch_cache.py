@@ -94,19 +94,27 @@ class BatchKVCache:
             self.keys = tree_map(grow, self.keys, keys)
             self.values = tree_map(grow, self.values, values)
 
+    def reserve(self, need: int) -> None:
+        """Capacity for `need` positions per row now (one copy), instead of a copy every STEP positions
+        while a long prompt is fed (each one a stall for the rows decoding beside it)."""
+        if self.keys is not None:
+            empty = tree_map(lambda x: x[:1, :, :0], (self.keys, self.values))
+            self._reserve(need, *empty)
+
     def trim_row(self, i: int, n: int) -> None:
         """Drop the last n entries of row i."""
         if not 0 <= n <= self.lens[i]:
             raise ValueError(f"cannot trim {n} of row {i}'s {self.lens[i]} entries")
         self.lens[i] -= n
 
-    def add_row(self, keys, values) -> None:
+    def add_row(self, keys, values, capacity: int = 0) -> None:
         """Append a sequence whose entries are keys/values [1, H, L, D] (L = its length; quantized: parts).
-        One new array per part, the old rows and the new one written into it (a join copies each entry once)."""
+        One new array per part, the old rows and the new one written into it (a join copies each entry once),
+        with room for `capacity` positions per row if that is more."""
         n = tree_flatten(keys)[0][1].shape[2]
         if self.keys is None:
             self.lens = []
-        need = max([n, *self.lens])
+        need = max([n, capacity, *self.lens])
         cap = 0 if self.keys is None else tree_flatten(self.keys)[0][1].shape[2]
         cap = max(cap, ((need + STEP - 1) // STEP) * STEP)
         b = len(self.lens)
