@@ -50,6 +50,11 @@ class Prefilling:
     started: float = field(default_factory=time.perf_counter)
 
     @property
+    def room(self) -> int:
+        """Cache positions its row needs while fed: the whole prompt and the first token."""
+        return self.total + 1
+
+    @property
     def total(self) -> int:
         return len(self.seq.prompt)
 

@@ -52,9 +52,9 @@ class BatchRows:
             hidden = [mx.concatenate(rows)[:n]] if self.want_hidden and rows else []
         reused = n
         if n:
-            self._append_row(states, p.total + 1)
+            self._append_row(states, p.room)
         elif self.cache:
-            self._append_row([empty_like(bc.row(0)) for bc in self.cache], p.total + 1)
+            self._append_row([empty_like(bc.row(0)) for bc in self.cache], p.room)
         else:  # no rows to take shapes from: feed the first chunk alone (nobody is decoding to wait for it)
             n = self._first_chunk_alone(p, hidden)
         p.hidden = hidden
@@ -83,7 +83,7 @@ class BatchRows:
             n = 0
         elif self.want_hidden:
             hidden.append(h)
-        self._append_row([tree_map(lambda a: a[..., :n, :], (c.keys, c.values)) for c in single], p.total + 1)
+        self._append_row([tree_map(lambda a: a[..., :n, :], (c.keys, c.values)) for c in single], p.room)
         return n
 
     def _drop(self, rows: list[int]) -> None:
@@ -113,7 +113,7 @@ class BatchRows:
         self.seqs = [self.seqs[i] for i in keep]
         if not self.seqs:
             self.cache = []
-        room = max((p.total + 1 for p in self.prefills.joining.values() if not p.sampled), default=0)
+        room = max((p.room for p in self.prefills.joining.values() if not p.sampled), default=0)
         for bc in self.cache:  # (keep_rows gives back capacity: a prompt still being fed keeps its room)
             bc.reserve(room)
         self._reshaped = True
