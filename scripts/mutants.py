@@ -140,6 +140,21 @@ MUTANTS = [
            "            c.count += 1 if length else 2\n",
            ("tests/test_suffix.py", "-k", "brute_force"),
            "a suffix trie's one-token strings are counted twice"),
+    Mutant("span-garbage", "mlx_engine/core/batch_engine.py",
+           "bc.trim_row(i, width - fed[i] if span is None or span.start <= layer < span.end else width)",
+           "bc.trim_row(i, width - fed[i])",
+           ("tests/test_layer_span.py", "-k", "tokens_of_one"),
+           "a token crossing some layers keeps the entries it wrote in the layers outside its span"),
+    Mutant("span-carry", "mlx_engine/target/layer_span.py",
+           "            if i == s.start and s.carried is not None:",
+           "            if i == s.start + 1 and s.carried is not None:",
+           ("tests/test_layer_span.py", "-k", "three_passes"),
+           "the carried hidden state enters one layer late (the layer it should enter gets the dummy token)"),
+    Mutant("span-first-token", "mlx_engine/core/batch_engine.py",
+           "if f.done + fed[i] == f.total and (i not in spans or spans[i].end == self.layer_count):",
+           "if f.done + fed[i] == f.total:",
+           ("tests/test_layer_span.py", "-k", "tokens_of_one"),
+           "a prompt's first token is sampled from a pass its last token has not crossed yet"),
 ]
 
 

@@ -40,7 +40,7 @@ from ..target import prefix_cache as prefix_ops
 from ..target.batch_cache import BatchKVCache, batchable
 from ..target.cache import check_kv_quantization
 from ..target.fixed_rows import make_invariant_batches
-from ..target import sequence_attention
+from ..target import layer_span, sequence_attention
 from ..target.model import Target
 from . import invariance_default
 from .batch_policy import BatchPolicy, FixedBatchPolicy
@@ -86,6 +86,14 @@ class BatchEngine(BatchRows):
         self.target.check_cache()
         self.drafter = drafter  # the prototype: every sequence drafts with its own copy
         self.want_hidden = hidden_request(drafter)
+        # a prompt token may cross the layers over several steps (layer_span) unless a drafter reads
+        # inner layers' states (those would come from different passes) or the attention takes layer 0's
+        # mask (MLA's additive one: a crossing row's layers hold different lengths)
+        self.layer_count = len(self.target.layers)
+        self.split_layers = self.layer_count > 1 and (self.want_hidden is None or not self.want_hidden.layers) \
+            and getattr(getattr(self.target.text, "args", None), "kv_lora_rank", None) is None
+        if self.split_layers:
+            layer_span.install(self.target.layers)
         # an MTP head drafts for all rows in one pass; any other drafter with a copy per row
         self.batched = BatchedMTP(drafter) if batched_drafting and batchable_mtp(drafter) else None
         self.num_draft = num_draft if drafter is not None else 0
@@ -203,7 +211,7 @@ class BatchEngine(BatchRows):
         self._start_next(outputs)
         b = len(self.seqs)
         feeding = [self.prefills.feeding(s) for s in self.seqs]
-        self._feed_drafter(sum(f is not None for f in feeding))
+        fed_drafter = self._feed_drafter()
         if not self.seqs:
             return outputs
         # a row whose drafter is still being fed its prompt waits (its pass rows are trimmed whole): a row's
@@ -223,13 +231,18 @@ class BatchEngine(BatchRows):
         # while prompts are fed, every REMEASURE-th step decodes alone: the chunks' budget is a multiple of a
         # decoding step's time, which changes with the batch (and is unknown when all steps so far fed chunks)
         remeasure = decoding and self.steps - self._decoded_alone >= REMEASURE
-        if any(f is not None for f in feeding) and not remeasure:
+        if any(f is not None for f in feeding) and not remeasure and not fed_drafter:
             cap = self.max_k + 1 if decoding and self.max_k < 1 << 30 else None  # invariant passes stay covered
             chunk = self.prefills.chunk_size(self.step_times, len(decoding), cap)
         fed = [min(chunk, f.total - f.done) if f is not None and not f.fresh else 0 for f in feeding]
-        for f in feeding:
+        spans = {}  # rows whose chunk crosses only some layers in this pass
+        for i, f in enumerate(feeding):
             if f is not None:
                 f.fresh = False
+                if chunk and self.split_layers and len(self.cache) == self.layer_count:
+                    span = self.prefills.span(f, i, fed[i], bool(decoding), self.layer_count)
+                    if span is not None:
+                        spans[i], fed[i] = span, span.tokens
         width = max([k + 1 if decoding else 1] + fed)  # the pass's tokens per row
         idle = [idle[i] or (feeding[i] is not None and fed[i] == 0) for i in range(b)]  # (a remeasuring step)
         t0 = time.perf_counter()
@@ -245,7 +258,8 @@ class BatchEngine(BatchRows):
                 rows.append(mx.concatenate([mx.array([s.last], dtype=mx.int32), drafts[i].tokens]))
             else:
                 rows.append(mx.full((width,), s.last, dtype=mx.int32))
-        with sequence_attention.idle_rows([i for i in range(b) if idle[i]]):
+        with sequence_attention.idle_rows([i for i in range(b) if idle[i]]), \
+                layer_span.crossing(list(spans.values())):
             logits, hidden = self.target.forward_batch(mx.stack(rows), self.cache, self.want_hidden)
         outs, firsts = [], []
         for i, s in enumerate(self.seqs):  # the acceptance rule over the row's own ki drafts; a prompt's first token
@@ -253,7 +267,7 @@ class BatchEngine(BatchRows):
             if idle[i]:
                 continue
             if f is not None:
-                if f.done + fed[i] == f.total:
+                if f.done + fed[i] == f.total and (i not in spans or spans[i].end == self.layer_count):
                     context = mx.array(s.prompt[-s.sampling.repetition_context:]) if s.sampling.penalized else None
                     outs.append(choose_row(logits[i, fed[i] - 1 : fed[i]], context, mx.zeros((0,), mx.int32), None,
                                            s.sampling, s.next_key()))
@@ -266,13 +280,17 @@ class BatchEngine(BatchRows):
             if s.sampling.penalized:
                 context = mx.concatenate([mx.array(s.history[-s.sampling.repetition_context :]), d_tokens])
             outs.append(choose_row(logits[i, : ki + 1], context, d_tokens, d_probs, s.sampling, s.next_key()))
+        carried = [sp.captured for sp in spans.values() if sp.end < self.layer_count]
+        if carried:
+            host.start(*carried)  # (evaluated with the read below)
         values = host.read(mx.concatenate(outs)) if outs else []  # the step's one host synchronisation
         seconds = time.perf_counter() - t0
         if not chunk:  # a step that fed no prompt: the reference of the chunks' budget
             self.step_times = self.step_times[-63:] + [seconds]
             self._decoded_alone = self.steps
-        else:
-            self.prefills.observe(max(fed), seconds)
+        else:  # a chunk that crossed m of the L layers counts as m / L of its tokens
+            self.prefills.observe(max(n * (spans[i].end - spans[i].start) / self.layer_count if i in spans else n
+                                      for i, n in enumerate(fed)), seconds)
         reshaped, self._reshaped = self._reshaped, False
         accepted, finished, start = [], [], 0
         for i, s in enumerate(self.seqs):
@@ -283,8 +301,11 @@ class BatchEngine(BatchRows):
                     bc.trim_row(i, width)
                 continue
             if f is not None:
-                for bc in self.cache:
-                    bc.trim_row(i, width - fed[i])  # the row's padding
+                span = spans.get(i)
+                for layer, bc in enumerate(self.cache):  # the row's padding (and outside its span: all it wrote)
+                    bc.trim_row(i, width - fed[i] if span is None or span.start <= layer < span.end else width)
+                if not self.prefills.crossed(f, span, self.layer_count):
+                    continue
                 if h is not None:
                     f.hidden.append(h[: fed[i]])
                 f.done += fed[i]

@@ -17,7 +17,10 @@ A sequence goes through three stages:
 The chunk is sized from measured step times (core/chunk_sizer.py): the whole step, decoding rows and
 chunk together, is held to `STEP_BUDGET` x the median step of decoding alone (a stream's gap between
 tokens stays within ~2.2x its median: the weights are read once for both), or `idle_budget` seconds
-when no row decodes (new arrivals and cancellations are then seen within about that). A cancelled
+when no row decodes (new arrivals and cancellations are then seen within about that). Where even one
+token does not fit (deep in a long prompt, its attention alone outweighs a decoding step), the token
+crosses the decoder layers over several steps, as many per step as fit, its hidden state carried
+between them (`span`, target/layer_span.py). A cancelled
 sequence leaves at once; what it had fed goes to the prefix tree, so a retry resumes there.
 """
 
@@ -29,6 +32,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 from mlx.utils import tree_map
 
+from ..target.layer_span import Span
 from .batch_sequence import RunningSequence
 from .chunk_sizer import ChunkSizer
 
@@ -46,6 +50,9 @@ class Prefilling:
     drafter_left: int = 0  # its pending prompt positions (what prefill_pending last said)
     sampled: bool = False  # stage 1 done: the first token is out
     fresh: bool = True  # its row was made this step (the copies it took are this step's cost: no chunk yet)
+    layer: int = 0  # > 0: a chunk is crossing the layers (layer_span): the next layer it enters
+    carried: object | None = None  # that chunk's hidden state at the input of `layer` [n, H]
+    inflight: int = 0  # that chunk's tokens
     drafter_sizer: ChunkSizer = field(default_factory=lambda: ChunkSizer(first=64, largest=2048))
     started: float = field(default_factory=time.perf_counter)
 
@@ -149,8 +156,29 @@ class PrefillQueue:
         n = min(self.sizer.size(budget, base), self.prefill_step)
         return min(n, cap) if cap else n
 
-    def observe(self, tokens: int, seconds: float) -> None:
+    def observe(self, tokens: float, seconds: float) -> None:
         self.sizer.observe(tokens, seconds, True)
+
+    def span(self, p: Prefilling, row: int, fed: int, budgeted: bool, layers: int) -> Span | None:
+        """The layers p's chunk crosses in this step when not all of them (None: all, the usual chunk). A
+        chunk already crossing goes on from its layer; a new one-token chunk crosses only the share of the
+        layers that fits the budget (only while rows decode: without them there is no one to wait)."""
+        if p.layer > 0:
+            end = p.layer + (self.sizer.layers(p.inflight, layers) if budgeted else layers)
+            return Span(row, p.layer, min(end, layers), p.inflight, p.carried)
+        if budgeted and fed == 1 and self.sizer.fits < 1:
+            m = self.sizer.layers(1, layers)
+            return Span(row, 0, m, 1) if m < layers else None
+        return None
+
+    def crossed(self, p: Prefilling, span: Span | None, layers: int) -> bool:
+        """After the pass: True when p's chunk has crossed every layer (its logits and hidden state are
+        real); else it carries on from span.end in the next step."""
+        if span is None or span.end == layers:
+            p.layer, p.carried, p.inflight = 0, None, 0
+            return True
+        p.layer, p.carried, p.inflight = span.end, span.captured, span.tokens
+        return False
 
     # -- stage 2 ----------------------------------------------------------------------------------------
     def drafter_chunk(self, p: Prefilling, budget: float | None) -> bool:

@@ -44,7 +44,8 @@ _idle: contextvars.ContextVar[frozenset] = contextvars.ContextVar("mlx_engine_id
 
 @contextmanager
 def idle_rows(rows):
-    token = _idle.set(frozenset(rows))
+    """These rows idle too while inside (added to the rows already idle)."""
+    token = _idle.set(_idle.get() | frozenset(rows))
     try:
         yield
     finally:
