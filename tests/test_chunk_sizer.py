@@ -39,7 +39,8 @@ def test_no_budget_takes_the_largest_and_a_free_chunk_doubles():
 
 def test_each_sequence_attends_over_its_own_keys_and_idle_rows_are_zeros():
     from mlx_engine.target.batch_cache import BatchKVCache
-    from mlx_engine.target.sequence_attention import idle_rows, per_sequence
+    from mlx_engine.target.batch_sequences import idle_rows
+    from mlx_engine.target.sequence_attention import per_sequence
 
     def sdpa(q, k, v, cache, scale, mask):
         return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)

@@ -7,8 +7,9 @@ at 2k / 8k / 16k tokens. For each length:
   decode     greedy decode tok/s of the next turn, plain against each drafter (the prefix from the tree, so
              only the decode is timed), with the output checked equal to plain; one engine per mode for three
              rounds in alternating order, the first (its policy learning) reported apart;
-  stall      a running stream (plain decoding) while another client's session is prefilled by the batch
-             engine: its median gap between tokens before, its largest gap during;
+  stall      a chat client's stream (plain decoding, answers of up to --stream-length tokens, one after
+             another) while another client's session is prefilled by the batch engine: its median gap
+             between tokens before, its largest gap during;
   memory     the target's KV cache holding the turn: bytes in full precision (fp32 here; fp16 by layout),
              and with --kv-bits quantization of the same entries; peak memory of the plain run and of a
              --kv-bits run (lengths listed in --kv-run-lengths: each is another cold prefill).
@@ -101,33 +102,49 @@ def decode_modes(loaded, tree, prompt, modes, max_tokens, rounds=3):
     return result
 
 
-def stall(loaded, long_prompt, stream_tokens=16):
+def stall(loaded, long_prompt, warmup=16, stream_length=256):
     """Gaps between a plain stream's tokens before and while another prompt is prefilled beside it, until
     that prompt's second token (its first comes when its prompt is in; the second once it decodes in the
-    batch: the window holds every step its prefill and its joining cost)."""
+    batch: the window holds every step its prefill and its joining cost).
+
+    The stream is a chat client's: answers of up to `stream_length` tokens, the next request sent when one
+    ends (gaps are taken within an answer; its first token, which waits for its own prompt, is not a gap).
+    One endless stream would instead grow its own context through the whole prefill (6,000 tokens of it
+    beside an 8k session here) and slow by its own attention, not by the prefill beside it."""
     engine = BatchEngine(loaded.model, None, prefix_cache_bytes=0)
     stream = encode(loaded.tokenizer, STREAM_PROMPT)
-    engine.add("stream", stream, 100_000, num_draft=0)
-    times, added, first_long, long_tokens = [], None, None, 0
+    answers = 0
+
+    def ask() -> str:
+        nonlocal answers
+        answers += 1
+        engine.add(f"stream{answers}", stream, stream_length, num_draft=0)
+        return f"stream{answers}"
+
+    sid = ask()
+    times, added, first_long, long_tokens = [], None, None, 0  # times: (when, tokens, answer)
     while first_long is None:
         outs = engine.step()
         now = time.perf_counter()
         for o in outs:
-            if o.seq_id == "stream" and o.tokens:
-                times.append((now, len(o.tokens)))
+            if o.seq_id == sid and o.tokens:
+                times.append((now, len(o.tokens), sid))
+            if o.seq_id == sid and o.finished:
+                sid = ask()
             if o.seq_id == "long":
                 long_tokens += len(o.tokens)
                 if long_tokens >= 2 or o.finished:
                     first_long = now
-        if added is None and len(times) >= stream_tokens:
+        if added is None and len(times) >= warmup:
             added = time.perf_counter()
             engine.add("long", long_prompt, 4)
     engine.reset()
-    gaps = [(b - a) / n for (a, _), (b, n) in zip(times, times[1:])]
-    before = [g for (t, _), g in zip(times[1:], gaps) if t <= added]
-    during = [g for (t, _), g in zip(times[1:], gaps) if added < t <= first_long]
+    gaps = [(b, (b - a) / n) for (a, _, x), (b, n, y) in zip(times, times[1:]) if x == y]
+    before = [g for t, g in gaps if t <= added]
+    during = [g for t, g in gaps if added < t <= first_long]
     median = statistics.median(before)
-    return {"prefill_s": round(first_long - added, 1), "median_gap_s": round(median, 4),
+    return {"prefill_s": round(first_long - added, 1), "stream_length": stream_length, "answers": answers,
+            "median_gap_s": round(median, 4),
             "median_gap_during_s": round(statistics.median(during), 4) if during else None,
             "max_gap_during_s": round(max(during), 4) if during else None,
             "max_over_median": round(max(during) / median, 2) if during else None,
@@ -164,7 +181,8 @@ def run_length(loaded, length, args) -> dict:
     s = session(lambda msgs: len(encode(tok, msgs)), length)
     prompt = {"messages": s["messages"], "tokens": encode(tok, s["messages"])}
     if args.stall_only:
-        return {"length": length, "session_files": s["files"], "stall": stall(loaded, prompt["tokens"])}
+        return {"length": length, "session_files": s["files"],
+                "stall": stall(loaded, prompt["tokens"], stream_length=args.stream_length)}
     tree = PrefixCache(args.prefix_cache_gb * 2**30, with_hidden=True)
     mx.reset_peak_memory()
     cold, warm, nxt, plain_engine = cold_and_next_turn(loaded, tree, prompt, args.max_tokens, stop)
@@ -176,7 +194,7 @@ def run_length(loaded, length, args) -> dict:
     if length in args.kv_run_lengths:
         out["memory"]["kv_bits_run"] = kv_run(loaded, nxt, args.kv_bits, args.kv_group_size, args.max_tokens)
     if length in args.stall_lengths:
-        out["stall"] = stall(loaded, prompt["tokens"])
+        out["stall"] = stall(loaded, prompt["tokens"], stream_length=args.stream_length)
     return out
 
 
@@ -208,6 +226,8 @@ def main(argv=None) -> int:
     p.add_argument("--kv-run-lengths", type=int_list_or_none, default=[2048, 8192],
                    help="lengths given a real --kv-bits run (another cold prefill each; none: no such run)")
     p.add_argument("--stall-only", action="store_true", help="run only the stall part at each of --lengths")
+    p.add_argument("--stream-length", type=count(16), default=256,
+                   help="the stall part's chat client: tokens per answer before it asks again (default 256)")
     p.add_argument("--kv-bits", type=int, choices=cache_ops.KV_BITS, default=4)
     p.add_argument("--kv-group-size", type=int, choices=cache_ops.KV_GROUP_SIZES, default=64)
     p.add_argument("--prefix-cache-gb", type=float, default=4.0, help="the shared prefix tree's budget (GiB)")

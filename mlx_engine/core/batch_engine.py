@@ -41,6 +41,7 @@ from ..target.batch_cache import BatchKVCache, batchable
 from ..target.cache import check_kv_quantization
 from ..target.fixed_rows import make_invariant_batches
 from ..target import layer_span, sequence_attention
+from ..target.batch_sequences import idle_rows
 from ..target.model import Target
 from . import invariance_default
 from .batch_policy import BatchPolicy, FixedBatchPolicy
@@ -211,7 +212,7 @@ class BatchEngine(BatchRows):
         self._start_next(outputs)
         b = len(self.seqs)
         feeding = [self.prefills.feeding(s) for s in self.seqs]
-        fed_drafter = self._feed_drafter()
+        self._feed_drafter(sum(f is not None for f in feeding))
         if not self.seqs:
             return outputs
         # a row whose drafter is still being fed its prompt waits (its pass rows are trimmed whole): a row's
@@ -231,7 +232,7 @@ class BatchEngine(BatchRows):
         # while prompts are fed, every REMEASURE-th step decodes alone: the chunks' budget is a multiple of a
         # decoding step's time, which changes with the batch (and is unknown when all steps so far fed chunks)
         remeasure = decoding and self.steps - self._decoded_alone >= REMEASURE
-        if any(f is not None for f in feeding) and not remeasure and not fed_drafter:
+        if any(f is not None for f in feeding) and not remeasure:
             cap = self.max_k + 1 if decoding and self.max_k < 1 << 30 else None  # invariant passes stay covered
             chunk = self.prefills.chunk_size(self.step_times, len(decoding), cap)
         fed = [min(chunk, f.total - f.done) if f is not None and not f.fresh else 0 for f in feeding]
@@ -258,7 +259,7 @@ class BatchEngine(BatchRows):
                 rows.append(mx.concatenate([mx.array([s.last], dtype=mx.int32), drafts[i].tokens]))
             else:
                 rows.append(mx.full((width,), s.last, dtype=mx.int32))
-        with sequence_attention.idle_rows([i for i in range(b) if idle[i]]), \
+        with idle_rows([i for i in range(b) if idle[i]]), \
                 layer_span.crossing(list(spans.values())):
             logits, hidden = self.target.forward_batch(mx.stack(rows), self.cache, self.want_hidden)
         outs, firsts = [], []

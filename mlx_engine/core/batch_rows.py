@@ -136,18 +136,17 @@ class BatchRows:
         elif not hasattr(p.drafter, "prefill_pending"):  # nothing to feed (prompt lookup): drafts from the next step
             self._ready(p)
 
-    def _feed_drafter(self) -> bool:
+    def _feed_drafter(self, feeding_rows: int) -> None:
         """One chunk of one begun drafter's prompt; a drafter with nothing left joins: its row drafts from the
-        next step. True when a chunk was fed: the step then feeds no prompt chunk (steps do not stack). A
-        begun drafter goes first: its row has handed out its first token and waits for it, and its prompt
-        is a head's to feed, not the target's (a long prompt arriving must not hold that row for its whole
-        prefill)."""
+        next step. Every step feeds one, beside any prompt chunks (then with half the budget: the two share
+        the step): its row has handed out its first token and waits for it, and a long prompt arriving must
+        not hold that row for its whole prefill."""
         p = next((p for p in self.prefills.joining.values() if p.sampled), None)
         if p is None:
-            return False
-        if self.prefills.drafter_chunk(p, self.prefills.budget(self.step_times, len(self.seqs))):
+            return
+        budget = self.prefills.budget(self.step_times, len(self.seqs))
+        if self.prefills.drafter_chunk(p, budget / 2 if feeding_rows else budget):
             self._ready(p)
-        return True
 
     def _ready(self, p: Prefilling) -> None:
         s = p.seq

@@ -30,6 +30,7 @@ from .. import kernels
 from ..kernels.batch_attention import attention_reference
 from ..kernels.batch_attention import supported as attention_supported
 from .batch_cache import BatchKVCache
+from .batch_sequences import over_sequences, value_width
 from .invariant_rows import MAX_ROWS, active, concat, live
 
 
@@ -65,30 +66,15 @@ def quantized_rows(original, q, k: tuple, v: tuple, scale: float, cache, causal:
 
     if not isinstance(cache, BatchKVCache):
         return rows(q, k, v)
-    outs = []
-    for b, n in enumerate(cache.lens):  # each sequence over its own first lens[b] keys
-        one = slice(b, b + 1)
-        outs.append(rows(q[one], tuple(x[one, :, :n] for x in k), tuple(x[one, :, :n] for x in v)))
-    return concat(outs, axis=0)
-
-
-def per_sequence(attend, q, k, v, lens: list[int], qp=None, kp=None) -> mx.array:
-    """attend(q, k, v, qp, kp) for each sequence b alone over its own keys 0..lens[b] - 1 (the cache's
-    entries after this pass: its L queries are the last L of them), joined along the batch axis."""
-    outs = []
-    for b, n in enumerate(lens):
-        one = slice(b, b + 1)
-        outs.append(attend(q[one], k[one, :, :n], v[one, :, :n],
-                           None if qp is None else qp[one], None if kp is None else kp[one, :, :n]))
-    return concat(outs, axis=0)
+    return over_sequences(rows, cache.lens, (q,), (k, v), value_width(v, cache.group_size))
 
 
 def sequences_attention(original, q, k, v, scale: float, lens: list[int], qp=None, kp=None) -> mx.array:
     """Causal attention of B sequences over a batch cache, sequence b over its first lens[b] keys."""
     if kernels.backend("batch_attention") != "reference" and attention_supported(q, k, v, qp):
         return kernels.get("batch_attention")(q, k, v, scale, True, qp, kp, lens=lens)  # one launch
-    return per_sequence(lambda q, k, v, qp, kp: causal_attention(original, q, k, v, scale, True, qp, kp),
-                        q, k, v, lens, qp, kp)
+    return over_sequences(lambda q, qp, k, v, kp: causal_attention(original, q, k, v, scale, True, qp, kp),
+                          lens, (q, qp), (k, v, kp), value_width(v))
 
 
 def cache_attention(original, q, k, v, scale: float, cache, qp=None, kp=None, live_n: int | None = None,

@@ -8,7 +8,7 @@ decoding beside it. Split by layers instead: in a pass with a span (row r, layer
   * layer `start` takes row r's first n input positions from `carried` (start 0: the row's own embedded
     tokens, nothing carried),
   * layer end - 1's output of row r (its first n positions) is captured for the next step,
-  * in every other layer row r is idle: its attention is skipped (sequence_attention.idle_rows), and the
+  * in every other layer row r is idle: its attention is skipped (batch_sequences.idle_rows), and the
     entries it writes there are garbage the caller trims (a BatchKVCache keeps lengths per layer, so the
     row may hold n more positions in layers < end than in layers >= end between steps).
 
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
-from .sequence_attention import idle_rows
+from .batch_sequences import idle_rows
 
 
 @dataclass

@@ -19,48 +19,22 @@ own wrapper (target/invariant_attention.py), which handles batch caches itself w
 
 from __future__ import annotations
 
-import contextvars
 import sys
-from contextlib import contextmanager
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from .batch_cache import BatchKVCache
+from .batch_sequences import over_sequences, value_width
 from .invariant_rows import active
 
 
-def _cut(x, b: int, n: int):
-    """Sequence b's first n keys of x [B, H, S, D] (quantized: a tuple of parts)."""
-    if isinstance(x, tuple):
-        return tuple(p[b : b + 1, :, :n] for p in x)
-    return x[b : b + 1, :, :n]
-
-
-# rows of the running pass whose outputs and entries the batch engine throws away (a row waiting while
-# others' prompts are fed): their attention is skipped, zeros stand in
-_idle: contextvars.ContextVar[frozenset] = contextvars.ContextVar("mlx_engine_idle_rows", default=frozenset())
-
-
-@contextmanager
-def idle_rows(rows):
-    """These rows idle too while inside (added to the rows already idle)."""
-    token = _idle.set(_idle.get() | frozenset(rows))
-    try:
-        yield
-    finally:
-        _idle.reset(token)
-
-
 def per_sequence(original, queries, keys, values, cache: BatchKVCache, scale: float, **kw) -> mx.array:
-    """Each sequence's L queries over its own keys, causal (one query: every key), joined on the batch axis."""
-    L, idle = queries.shape[2], _idle.get()
-    dv = values[1].shape[-1] * cache.group_size if isinstance(values, tuple) else values.shape[-1]  # (MLA: not D)
-    outs = [mx.zeros((1, queries.shape[1], L, dv), queries.dtype) if b in idle else
-            original(queries[b : b + 1], _cut(keys, b, n), _cut(values, b, n), cache=cache, scale=scale,
-                     mask="causal" if L > 1 else None, **kw)
-            for b, n in enumerate(cache.lens)]
-    return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
+    """Each sequence's L queries over its own keys, causal (one query: every key), joined on the batch axis;
+    idle rows are zeros."""
+    mask = "causal" if queries.shape[2] > 1 else None
+    return over_sequences(lambda q, k, v: original(q, k, v, cache=cache, scale=scale, mask=mask, **kw),
+                          cache.lens, (queries,), (keys, values), value_width(values, getattr(cache, "group_size", 0)))
 
 
 def _wrap(modname: str) -> None:

@@ -1,0 +1,61 @@
+"""Attention over a BatchKVCache one sequence at a time, each over exactly its own keys: what the batch
+engine's stock passes (sequence_attention.py) and its batch-invariant ones (invariant_attention.py) share.
+
+A BatchKVCache pads every row to the longest; sequence b's valid keys are its first `lens[b]` (after the
+pass: its L queries are the last L of them). `over_sequences` cuts each sequence's queries and keys out
+(plain arrays or a quantized cache's (codes, scales, biases) parts) and joins the outputs on the batch
+axis. Rows the batch engine throws away in this pass (a row waiting while others' prompts are fed, a
+prompt token outside the layers it crosses: layer_span.py) are `idle_rows`: their attention is skipped,
+zeros stand in.
+"""
+
+from __future__ import annotations
+
+import contextvars
+from contextlib import contextmanager
+from typing import Callable
+
+import mlx.core as mx
+
+_idle: contextvars.ContextVar[frozenset] = contextvars.ContextVar("mlx_engine_idle_rows", default=frozenset())
+
+
+@contextmanager
+def idle_rows(rows):
+    """These rows idle too while inside (added to the rows already idle)."""
+    token = _idle.set(_idle.get() | frozenset(rows))
+    try:
+        yield
+    finally:
+        _idle.reset(token)
+
+
+def idle() -> frozenset:
+    return _idle.get()
+
+
+def cut(x, b: int, n: int | None = None):
+    """Sequence b of x [B, H, S, D] (its first n keys when n is given; a tuple of parts cut alike; None: None)."""
+    if x is None:
+        return None
+    if isinstance(x, tuple):
+        return tuple(cut(p, b, n) for p in x)
+    return x[b : b + 1] if n is None else x[b : b + 1, :, :n]
+
+
+def value_width(values, group_size: int | None = None) -> int:
+    """Width of the attention's output rows: the values' last axis (quantized: scales x group size)."""
+    return values[1].shape[-1] * group_size if isinstance(values, tuple) else values.shape[-1]
+
+
+def over_sequences(attend: Callable, lens: list[int], queries: tuple, keyed: tuple, width: int,
+                   skip_idle: bool = True) -> mx.array:
+    """attend(*queries_b, *keyed_b) for each sequence b: `queries` (arrays [B, H, L, *] or None) cut to b,
+    `keyed` (keys, values, ... [B, H, S, *], or their quantized parts) cut to b's first lens[b] keys;
+    joined on the batch axis. An idle row gives zeros [1, H, L, width] without attending."""
+    q0 = queries[0]
+    rows = idle() if skip_idle else frozenset()
+    outs = [mx.zeros((1, q0.shape[1], q0.shape[2], width), q0.dtype) if b in rows else
+            attend(*(cut(q, b) for q in queries), *(cut(k, b, n) for k in keyed))
+            for b, n in enumerate(lens)]
+    return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
