@@ -33,7 +33,7 @@ class Starved(ChunkSizer):
         super().__init__(first=1, largest=1)
         self.share = share
 
-    def size(self, budget, base=0.0):
+    def size(self, budget, base=0.0, depth=None):
         self.fits = self.share if budget is not None else float(self.largest)
         return 1
 
@@ -153,13 +153,26 @@ def test_cancel_while_a_token_is_crossing_keeps_what_was_fed(deep):
     assert_greedy_equal(deep, PROMPT, out["b"], alone(deep, PROMPT, 8))
 
 
-def test_the_sizer_turns_a_share_of_a_token_into_layers():
+def test_the_sizer_turns_a_share_of_a_token_into_even_layer_steps():
     s = ChunkSizer(first=1, largest=512)
     s.observe(1, 0.27, True)  # a token at 0.2 s beside a 0.07 s decoding step
     assert s.size(0.15, 0.07) == 1
-    assert s.fits == pytest.approx((0.85 * 0.15 - 0.07) / 0.2)
-    assert s.layers(1, 30) == 8  # 0.2875 of 30 layers
+    assert s.fits == pytest.approx((0.85 * 0.15 - 0.07) / 0.2)  # 0.2875 of a token: 8.6 of 30 layers
+    assert s.layers(1, 30, 30) == 8  # four steps of 8, 8, 7, 7 (not 8, 8, 8, 6)
+    assert [s.layers(1, left, 30) for left in (22, 14, 7)] == [8, 7, 7]
     s.observe(8 / 30, 0.07 + 0.2 * 8 / 30, True)  # what crossing 8 of the 30 layers cost
     s.size(0.15, 0.07)
-    assert s.layers(1, 30) == 8
-    assert ChunkSizer().layers(1, 30) == 30  # nothing measured: every layer
+    assert s.layers(1, 30, 30) == 8
+    s.observe(1 / 30, 0.07, True)  # one layer that cost nothing (noise): the next may only double it
+    s.size(0.15, 0.07)
+    assert s.fits == pytest.approx(2 / 30) and s.layers(1, 30, 30) == 2
+    assert ChunkSizer().layers(1, 30, 30) == 30  # nothing measured: every layer
+    assert ChunkSizer().layers(1, 5, 30) == 5
+
+
+def test_a_measurement_at_one_depth_sizes_a_chunk_at_another():
+    s = ChunkSizer(first=1, largest=512, reach=1000)
+    s.observe(1, 0.09, True, depth=0)  # a shallow token: 0.02 s beside a 0.07 s step
+    assert s.size(0.15, 0.07, depth=0) == 2  # (0.1275 - 0.07) / 0.02 = 2.9, at most doubling
+    s.size(0.15, 0.07, depth=7000)  # a row that starts 7,000 positions deep: 8x the cost a token
+    assert s.fits == pytest.approx(0.0575 / (0.02 * 8)) and s.layers(1, 30, 30) == 10  # 10.8 layers: 3 steps of 10

@@ -228,13 +228,14 @@ class BatchEngine(BatchRows):
         for i, d in zip(decoding, drafting):
             ks[i] = min(d, self.seqs[i].max_tokens - self.seqs[i].generated - 1)
         k = max(ks)
-        chunk = 0
+        chunk, depth = 0, 0
         # while prompts are fed, every REMEASURE-th step decodes alone: the chunks' budget is a multiple of a
         # decoding step's time, which changes with the batch (and is unknown when all steps so far fed chunks)
         remeasure = decoding and self.steps - self._decoded_alone >= REMEASURE
         if any(f is not None for f in feeding) and not remeasure:
             cap = self.max_k + 1 if decoding and self.max_k < 1 << 30 else None  # invariant passes stay covered
-            chunk = self.prefills.chunk_size(self.step_times, len(decoding), cap)
+            depth = max(f.done for f in feeding if f is not None)
+            chunk = self.prefills.chunk_size(self.step_times, len(decoding), cap, depth)
         fed = [min(chunk, f.total - f.done) if f is not None and not f.fresh else 0 for f in feeding]
         spans = {}  # rows whose chunk crosses only some layers in this pass
         for i, f in enumerate(feeding):
@@ -291,7 +292,7 @@ class BatchEngine(BatchRows):
             self._decoded_alone = self.steps
         else:  # a chunk that crossed m of the L layers counts as m / L of its tokens
             self.prefills.observe(max(n * (spans[i].end - spans[i].start) / self.layer_count if i in spans else n
-                                      for i, n in enumerate(fed)), seconds)
+                                      for i, n in enumerate(fed)), seconds, depth)
         reshaped, self._reshaped = self._reshaped, False
         accepted, finished, start = [], [], 0
         for i, s in enumerate(self.seqs):

@@ -143,9 +143,10 @@ class PrefillQueue:
         return self.tree.lookup(p.seq.prompt[:-1])
 
     # -- stage 1 --------------------------------------------------------------------------------------
-    def chunk_size(self, step_times: list[float], decoding: int, cap: int | None) -> int:
+    def chunk_size(self, step_times: list[float], decoding: int, cap: int | None, depth: int | None = None) -> int:
         """Prompt tokens each feeding row may put in this step: sized to STEP_BUDGET x the median decoding
-        step, or idle_budget when no row decodes; at most cap (the invariance contract's rows)."""
+        step, or idle_budget when no row decodes; at most cap (the invariance contract's rows). depth: the
+        deepest feeding row's prompt positions."""
         base = 0.0
         if decoding and step_times:
             recent = sorted(step_times[-32:])
@@ -153,21 +154,22 @@ class PrefillQueue:
             budget = STEP_BUDGET * base
         else:
             budget = self.idle_budget
-        n = min(self.sizer.size(budget, base), self.prefill_step)
+        n = min(self.sizer.size(budget, base, depth), self.prefill_step)
         return min(n, cap) if cap else n
 
-    def observe(self, tokens: float, seconds: float) -> None:
-        self.sizer.observe(tokens, seconds, True)
+    def observe(self, tokens: float, seconds: float, depth: int = 0) -> None:
+        self.sizer.observe(tokens, seconds, True, depth)
 
     def span(self, p: Prefilling, row: int, fed: int, budgeted: bool, layers: int) -> Span | None:
         """The layers p's chunk crosses in this step when not all of them (None: all, the usual chunk). A
         chunk already crossing goes on from its layer; a new one-token chunk crosses only the share of the
         layers that fits the budget (only while rows decode: without them there is no one to wait)."""
         if p.layer > 0:
-            end = p.layer + (self.sizer.layers(p.inflight, layers) if budgeted else layers)
-            return Span(row, p.layer, min(end, layers), p.inflight, p.carried)
+            left = layers - p.layer
+            step = self.sizer.layers(p.inflight, left, layers) if budgeted else left
+            return Span(row, p.layer, p.layer + step, p.inflight, p.carried)
         if budgeted and fed == 1 and self.sizer.fits < 1:
-            m = self.sizer.layers(1, layers)
+            m = self.sizer.layers(1, layers, layers)
             return Span(row, 0, m, 1) if m < layers else None
         return None
 
