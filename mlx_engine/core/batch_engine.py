@@ -210,6 +210,7 @@ class BatchEngine(BatchRows):
             outputs.append(Output(s.id, [], "cancelled", s.stats(self.num_draft)))
         self._drop(cancelled)
         self._start_next(outputs)
+        self._grow_ahead()
         b = len(self.seqs)
         feeding = [self.prefills.feeding(s) for s in self.seqs]
         self._feed_drafter(sum(f is not None for f in feeding))
@@ -236,6 +237,8 @@ class BatchEngine(BatchRows):
             cap = self.max_k + 1 if decoding and self.max_k < 1 << 30 else None  # invariant passes stay covered
             depth = max(f.done for f in feeding if f is not None)
             chunk = self.prefills.chunk_size(self.step_times, len(decoding), cap, depth)
+            if decoding:  # fed only as far as the room grown ahead (_grow_ahead): no growth inside the pass
+                chunk = max(0, min(chunk, self.fed_room(k + 1)))
         fed = [min(chunk, f.total - f.done) if f is not None and not f.fresh else 0 for f in feeding]
         spans = {}  # rows whose chunk crosses only some layers in this pass
         for i, f in enumerate(feeding):

@@ -29,6 +29,15 @@ class BatchKVCache:
         self.keys = None  # [B, H, cap, D] (a quantized cache: a tuple of such parts)
         self.values = None
         self.lens: list[int] = []
+        self.room = 0  # positions a row is known to need soon (a prompt being fed): growth goes up to it
+
+    @property
+    def capacity(self) -> int:
+        return 0 if self.keys is None else tree_flatten(self.keys)[0][1].shape[2]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.state)
 
     def _encode(self, x: mx.array):
         """A pass's new keys or values as stored (identity here; quantized in the subclass)."""
@@ -77,9 +86,11 @@ class BatchKVCache:
     # -- rows ------------------------------------------------------------------------------------------
     def _reserve(self, need: int, keys, values) -> None:
         """Capacity for `need` positions per row (keys and values may differ in heads and width: MLA)."""
-        cap = 0 if self.keys is None else tree_flatten(self.keys)[0][1].shape[2]
+        cap = self.capacity
         if need <= cap:
             return
+        if need < self.room:  # a prompt being fed will need more: double towards its room, not STEP by STEP
+            need = min(self.room, max(need, 2 * cap))
         new = ((need + STEP - 1) // STEP) * STEP
         b = len(self.lens)
 
@@ -136,7 +147,8 @@ class BatchKVCache:
         self.lens.append(n)
 
     def keep_rows(self, rows: list[int]) -> None:
-        """Keep only these rows, in this order (the others' entries are freed)."""
+        """Keep only these rows, in this order (the others' entries are freed; capacity beyond the rows'
+        lengths and `room` is given back)."""
         if not rows:
             self.keys = self.values = None
             self.lens = []
@@ -144,9 +156,9 @@ class BatchKVCache:
         idx = mx.array(rows, dtype=mx.int32)
         self.keys, self.values = tree_map(lambda x: x[idx], (self.keys, self.values))
         self.lens = [self.lens[i] for i in rows]
-        end = max(self.lens)
+        end = max(self.lens + [self.room])
         cap = ((end + STEP - 1) // STEP) * STEP  # give back capacity the remaining rows do not use
-        if cap < tree_flatten(self.keys)[0][1].shape[2]:
+        if cap < self.capacity:
             self.keys, self.values = tree_map(lambda x: x[:, :, :cap], (self.keys, self.values))
 
     def row(self, i: int):
