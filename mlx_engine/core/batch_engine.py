@@ -233,18 +233,23 @@ class BatchEngine(BatchRows):
         # while prompts are fed, every REMEASURE-th step decodes alone: the chunks' budget is a multiple of a
         # decoding step's time, which changes with the batch (and is unknown when all steps so far fed chunks)
         remeasure = decoding and self.steps - self._decoded_alone >= REMEASURE
-        if any(f is not None for f in feeding) and not remeasure:
+        # while rows decode, one prompt a step, the one with the least left, its chunk sized at its own depth
+        # (sized for the deepest, a short prompt arriving beside a deep one went a token a step too)
+        turn = [i for i, f in enumerate(feeding) if f is not None and not f.fresh]
+        if decoding and turn:
+            turn = [min(turn, key=lambda i: (feeding[i].left(), i))]
+        if turn and not remeasure:
             cap = self.max_k + 1 if decoding and self.max_k < 1 << 30 else None  # invariant passes stay covered
-            depth = max(f.done for f in feeding if f is not None)
+            depth = max(feeding[i].done for i in turn)
             chunk = self.prefills.chunk_size(self.step_times, len(decoding), cap, depth)
             if decoding:  # fed only as far as the room grown ahead (_grow_ahead): no growth inside the pass
                 chunk = max(0, min(chunk, self.fed_room(k + 1)))
-        fed = [min(chunk, f.total - f.done) if f is not None and not f.fresh else 0 for f in feeding]
+        fed = [min(chunk, f.total - f.done) if i in turn else 0 for i, f in enumerate(feeding)]
         spans = {}  # rows whose chunk crosses only some layers in this pass
         for i, f in enumerate(feeding):
             if f is not None:
                 f.fresh = False
-                if chunk and self.split_layers and len(self.cache) == self.layer_count:
+                if fed[i] and self.split_layers and len(self.cache) == self.layer_count:
                     span = self.prefills.span(f, i, fed[i], bool(decoding), self.layer_count)
                     if span is not None:
                         spans[i], fed[i] = span, span.tokens
