@@ -47,7 +47,7 @@ class ChunkSizer:
                 per_token *= (depth + self.reach) / (self.depth + self.reach)
             room = self.margin * budget - base
             self.fits = min(room / per_token, 2.0 * n) if per_token > 0 else 2.0 * n  # at most doubling
-            self.n = max(1, min(int(self.fits), 2 * max(1, int(n)), self.largest))
+            self.n = max(1, min(int(self.fits), self.largest))  # (fits holds the doubling bound)
         return self.n
 
     def layers(self, tokens: int, left: int, total: int) -> int:
