@@ -8,7 +8,8 @@ A sequence goes through three stages:
      alone: the cache's shapes come from it). A prompt that shares a longer prefix with a row still being
      prefilled waits for that row to feed it (two clients sending one long prompt prefill it once).
   1. its prompt: every step (while rows decode: one such row a step, the one with the least left), each
-     such row feeds the next `chunk` tokens of its prompt as its rows of the batch's forward pass, beside the decoding rows' [last, drafts] (a row with fewer tokens is padded and
+     such row feeds the next `chunk` tokens of its prompt as its rows of the batch's forward pass, beside
+     the decoding rows' [last, drafts] (a row with fewer tokens is padded and
      its padding trimmed right after, as for drafts). The step that feeds the last prompt token samples its
      first token from that token's logits and hands it out at once.
   2. its drafter: a drafter that keeps state over the prompt (an MTP head, a draft model) is begun on the

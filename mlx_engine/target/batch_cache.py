@@ -126,8 +126,7 @@ class BatchKVCache:
         if self.keys is None:
             self.lens = []
         need = max([n, capacity, *self.lens])
-        cap = 0 if self.keys is None else tree_flatten(self.keys)[0][1].shape[2]
-        cap = max(cap, ((need + STEP - 1) // STEP) * STEP)
+        cap = max(self.capacity, ((need + STEP - 1) // STEP) * STEP)
         b = len(self.lens)
 
         def append(stored, row):
