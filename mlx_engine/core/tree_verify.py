@@ -63,13 +63,16 @@ class Trees:
         t = time.perf_counter()
         tree: TokenTree = e.drafter.propose_tree(k, sampling, key)
         n = tree.size
+        # the device starts on the drafter's work while Python builds the verify graph
+        host.start(tree.tokens, *([] if tree.on_host else [tree.ancestors, tree.depths]))
         if profile:
             host.wait(tree.tokens)
             e.stats.time_draft += time.perf_counter() - t
         start = e.cache[0].offset
         if tree.on_host:
             ancestors = mx.array(host_ancestors(tree.parents))
-            depths = mx.array(host_depths(tree.parents), dtype=mx.int32)
+            # a chain's rows sit at consecutive positions: no per-row RoPE positions needed
+            depths = None if tree.is_chain else mx.array(host_depths(tree.parents), dtype=mx.int32)
         else:
             ancestors, depths = tree.ancestors, tree.depths
         bits = None

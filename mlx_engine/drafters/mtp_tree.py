@@ -48,6 +48,14 @@ class MTPTreeDrafter(MTPDrafter):
     def drafts_tree(self, member: str | None = None) -> bool:
         return True
 
+    def _scores(self, i: int, h: mx.array, drafted: list) -> tuple[mx.array, mx.array | None]:
+        """Draft step i's scores [S] and the token id of each (None: the scores are over the whole
+        vocabulary). With a reduced draft vocabulary only the subset is scored and ranked: the same
+        candidates and log-probabilities as the full logits (-inf off the subset) give, 6x fewer to rank."""
+        if self._subset is not None and "head" not in self.head.layers[i]:
+            return (h @ self._subset.weight.T)[0].astype(mx.float32), self._subset.ids
+        return self._logits(i, h, drafted).astype(mx.float32)[0], None
+
     def propose_tree(self, budget: int, sampling: SamplingConfig, key: mx.array) -> TokenTree:
         K = min(self.width, budget)
         D = min(self.depth, budget)
@@ -61,15 +69,21 @@ class MTPTreeDrafter(MTPDrafter):
         self._ckpt = [cache_ops.checkpoint([c], m) for c, m in zip(self.cache, n_chain)]
         ids, logq, chain = [], [], []
         for d in range(D):
-            logits = self._logits(d % self.num_layers, h, chain).astype(mx.float32)[0]
-            lp = logits - mx.logsumexp(logits)
-            top = mx.argpartition(-lp, K - 1)[:K] if K < lp.shape[0] else mx.arange(lp.shape[0])
-            top = top[mx.argsort(-lp[top])]  # best first: top[0] is the chain's token
-            ids.append(top.astype(mx.int32))
-            logq.append(lp[top])
-            chain.append(top[:1].astype(mx.int32))
+            scores, token_of = self._scores(d % self.num_layers, h, chain)
+            if K == 1:  # one guess per depth: the chain itself
+                top = mx.argmax(scores, keepdims=True)
+            else:
+                lp = scores - mx.logsumexp(scores)
+                top = mx.argpartition(-lp, K - 1)[:K] if K < lp.shape[0] else mx.arange(lp.shape[0])
+                top = top[mx.argsort(-lp[top])]  # best first: top[0] is the chain's token
+                logq.append(lp[top])
+            top = (top if token_of is None else token_of[top]).astype(mx.int32)
+            ids.append(top)
+            chain.append(top[:1])
             if d + 1 < D:
                 h = self._run((d + 1) % self.num_layers, chain[-1], h)
+        if K == 1:  # its shape is known on the host: verified as a chain (no per-row positions)
+            return TokenTree(mx.concatenate(chain), list(range(-1, D - 1)))
         ids, logq = mx.stack(ids), mx.stack(logq)  # [D, K]
         chain_lp = mx.cumsum(logq[:, 0])  # log-probability of the chain through depth d
         before = mx.concatenate([mx.zeros((1,)), chain_lp[:-1]])  # ... through depth d - 1

@@ -35,6 +35,11 @@ class TokenTree:
     def on_host(self) -> bool:
         return isinstance(self.parents, list)
 
+    @property
+    def is_chain(self) -> bool:
+        """Node i's parent is i - 1 (known on the host only: a device tree is never called a chain)."""
+        return self.on_host and all(p == i - 1 for i, p in enumerate(self.parents))
+
 
 def chain(tokens: list[int]) -> TokenTree:
     """The chain tokens[0] -> tokens[1] -> ... as a tree."""

@@ -120,16 +120,17 @@ def _tree_attention(inner):
 
 
 @contextlib.contextmanager
-def tree_pass(caches: list, ancestors: mx.array, depths: mx.array, bits: list[int] | None = None):
+def tree_pass(caches: list, ancestors: mx.array, depths: mx.array | None, bits: list[int] | None = None):
     """While inside: a forward over the L rows of a tree (row 0 the root) attends by `ancestors` [L, L] bool
-    (row r sees row c) after every cached token, row r at position P + depths[r]. bits: the same as host
-    ints (kernels/batch_attention.py `tree`), for batch-invariant passes."""
+    (row r sees row c) after every cached token, row r at position P + depths[r]. depths None: a chain,
+    row r at P + r, the positions the model gives its rows anyway (its RoPE calls are left as they are).
+    bits: the same as host ints (kernels/batch_attention.py `tree`), for batch-invariant passes."""
     P = caches[0].offset
     L = ancestors.shape[0]
     mask = mx.concatenate([mx.ones((L, P), dtype=mx.bool_), ancestors], axis=1) if P else ancestors
     for c in caches:
         c.make_mask = lambda *a, **kw: mask  # an instance attribute: it hides the class's method
-    token = _positions.set((depths + P).astype(mx.int32))
+    token = _positions.set(None if depths is None else (depths + P).astype(mx.int32))
     bits_token = _bits.set(bits)
     try:
         yield
