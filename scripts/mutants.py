@@ -155,6 +155,21 @@ MUTANTS = [
            "if f.done + fed[i] == f.total:",
            ("tests/test_layer_span.py", "-k", "tokens_of_one"),
            "a prompt's first token is sampled from a pass its last token has not crossed yet"),
+    Mutant("tree-chain-positions", "mlx_engine/core/tree_verify.py",
+           "depths = None if tree.is_chain else mx.array(host_depths(tree.parents), dtype=mx.int32)",
+           "depths = None",
+           ("tests/test_tree.py",),
+           "every host tree is verified as if it were a chain: its branches' rows at the wrong positions"),
+    Mutant("ceiling-cross-texts", "mlx_engine/bench/ceiling.py",
+           "        text += list(t) + [SEPARATOR]",
+           "        text += list(t)",
+           ("tests/test_bench_ceiling.py",),
+           "the copy oracle runs a copy on from one earlier text into the next"),
+    Mutant("ceiling-overdraft", "mlx_engine/bench/ceiling.py",
+           "for m in range(0, min(lengths[i], n - 1 - i) + 1):",
+           "for m in range(0, min(lengths[i] + 1, n - 1 - i) + 1):",
+           ("tests/test_bench_ceiling.py",),
+           "the oracle's schedule drafts one token more than the text holds, every draft still accepted"),
 ]
 
 

@@ -12,6 +12,10 @@ def main(argv=None) -> int:
         from .invariance import main as invariance_main  # a device property: reported, not tested
 
         return rc or invariance_main()
+    if argv[:1] == ["ceiling"]:
+        from .ceiling import main as ceiling_main
+
+        return ceiling_main(argv[1:])
     if argv[:1] == ["distributed"]:
         from .distributed import main as distributed_main
 
