@@ -133,7 +133,7 @@ class BatchRows:
             if not waiting:
                 bc.reserve(room)
             elif spent < GROW_BYTES and 0 < bc.capacity < room:
-                new = min(room, 2 * bc.capacity)
+                new = bc.toward_room()
                 spent += bc.nbytes * new // bc.capacity
                 bc.reserve(new)
 

@@ -89,9 +89,7 @@ class BatchKVCache:
         cap = self.capacity
         if need <= cap:
             return
-        if need < self.room:  # a prompt being fed will need more: double towards its room, not STEP by STEP
-            need = min(self.room, max(need, 2 * cap))
-        new = ((need + STEP - 1) // STEP) * STEP
+        new = ((self.toward_room(need) + STEP - 1) // STEP) * STEP
         b = len(self.lens)
 
         def grow(stored, like):
@@ -105,9 +103,15 @@ class BatchKVCache:
             self.keys = tree_map(grow, self.keys, keys)
             self.values = tree_map(grow, self.values, values)
 
+    def toward_room(self, need: int = 0) -> int:
+        """The capacity to grow to for `need` positions: while a prompt being fed will need more (`room`),
+        double towards it (never past it), not STEP by STEP; `need` itself when that is more."""
+        return max(need, min(self.room, 2 * self.capacity))
+
     def reserve(self, need: int) -> None:
-        """Capacity for `need` positions per row now (one copy), instead of a copy every STEP positions
-        while a long prompt is fed (each one a stall for the rows decoding beside it)."""
+        """Capacity for `need` positions per row now, in one copy (the batch engine grows it ahead a step at a
+        time, core/batch_rows.py `_grow_ahead`, each copy bounded: a copy is a stall for the rows decoding
+        beside it)."""
         if self.keys is not None:
             empty = tree_map(lambda x: x[:1, :, :0], (self.keys, self.values))
             self._reserve(need, *empty)
