@@ -53,7 +53,7 @@ class MTPTreeDrafter(MTPDrafter):
         vocabulary). With a reduced draft vocabulary only the subset is scored and ranked: the same
         candidates and log-probabilities as the full logits (-inf off the subset) give, 6x fewer to rank."""
         if self._subset is not None and "head" not in self.head.layers[i]:
-            return (h @ self._subset.weight.T)[0].astype(mx.float32), self._subset.ids
+            return self._subset.scores(h)[0].astype(mx.float32), self._subset.ids
         return self._logits(i, h, drafted).astype(mx.float32)[0], None
 
     def propose_tree(self, budget: int, sampling: SamplingConfig, key: mx.array) -> TokenTree:

@@ -45,9 +45,13 @@ class SubsetOutput:
         self.weight = output_rows(target, self.ids).astype(dtype)
         host.wait([self.weight])
 
+    def scores(self, h: mx.array) -> mx.array:
+        """h [n, H] -> the subset's logits [n, S] (column s: token ids[s])."""
+        return h @ self.weight.T
+
     def __call__(self, h: mx.array) -> mx.array:
         """h [n, H] -> logits [n, V], -inf outside the subset."""
-        small = h @ self.weight.T  # [n, S]
+        small = self.scores(h)
         full = mx.full((h.shape[0], self.vocab_size), -mx.inf, dtype=small.dtype)
         full[:, self.ids] = small
         return full
