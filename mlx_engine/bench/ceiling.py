@@ -37,8 +37,8 @@ import sys
 from collections import defaultdict
 from dataclasses import asdict, dataclass
 
-from ..args import ArgumentParser, count, fail, interrupted
-from .report import BenchInputError, machine, writable_file
+from ..args import ArgumentParser, count
+from .report import command, machine, writable_file
 
 SEPARATOR = -1  # between known texts: a copy never crosses from one text into the next
 
@@ -126,18 +126,7 @@ def parser() -> ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    try:
-        args = parser().parse_args(argv)
-    except SystemExit as e:  # --help, or a bad flag (one `error:` line printed)
-        return e.code
-    from ..models import ModelLoadError
-
-    try:
-        return run(args, argv)
-    except (BenchInputError, ModelLoadError, FileNotFoundError) as e:
-        return fail(str(e))
-    except KeyboardInterrupt:
-        return interrupted()
+    return command(parser(), run, argv)
 
 
 def run(args, argv) -> int:

@@ -18,6 +18,25 @@ class BenchInputError(ValueError):
     """A flag or file the bench cannot use; reported as one `error:` line, exit status 2."""
 
 
+def command(parser, run, argv) -> int:
+    """A bench command's main: parse argv (a bad flag or --help: argparse's exit status, one `error:` line),
+    then run(args, argv); bad input the run meets (BenchInputError, a model that does not load, a missing
+    file) is one `error:` line and exit status 2, Ctrl-C the usual interrupted exit."""
+    from ..args import fail, interrupted
+    from ..models import ModelLoadError
+
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:
+        return e.code
+    try:
+        return run(args, argv)
+    except (BenchInputError, ModelLoadError, FileNotFoundError) as e:
+        return fail(str(e))
+    except KeyboardInterrupt:
+        return interrupted()
+
+
 def writable_file(path: str | Path, flag: str) -> Path:
     """An output file that can be written: its folder created and a file written and removed there now
     (train.inputs.writable_dir), so a run never ends with its results lost to a bad path."""

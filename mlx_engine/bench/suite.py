@@ -20,14 +20,14 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from ..args import ArgumentParser, count, fail, float_list, int_list, interrupted
+from ..args import ArgumentParser, count, float_list, int_list
 from ..drafters.draft_model import DraftModelDrafter
 from ..drafters.ngram import NgramDrafter
 from ..drafters.suffix import private_cache
 from ..core.engine import Engine
-from ..models import ModelLoadError, load
+from ..models import load
 from .modes import Mode, Result, run_engine, run_mlx_lm
-from .report import BenchInputError, machine, print_table, writable_file, write_outputs
+from .report import BenchInputError, command, machine, print_table, writable_file, write_outputs
 
 PROMPTS = Path(__file__).resolve().parents[2] / "bench" / "prompts"
 BASELINES = ("mlx-lm plain", "engine plain")
@@ -216,16 +216,7 @@ def parser() -> ArgumentParser:
 
 
 def main(argv=None) -> int:
-    try:
-        args = parser().parse_args(argv)
-    except SystemExit as e:  # --help, or a bad flag (one `error:` line printed)
-        return e.code
-    try:
-        return run(args, argv)
-    except (BenchInputError, ModelLoadError, FileNotFoundError) as e:
-        return fail(str(e))
-    except KeyboardInterrupt:
-        return interrupted()
+    return command(parser(), run, argv)
 
 
 def load_draft(spec: str, model):
