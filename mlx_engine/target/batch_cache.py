@@ -112,7 +112,7 @@ class BatchKVCache:
         """Capacity for `need` positions per row now, in one copy (the batch engine grows it ahead a step at a
         time, core/batch_rows.py `_grow_ahead`, each copy bounded: a copy is a stall for the rows decoding
         beside it)."""
-        if self.keys is not None:
+        if self.keys is not None and need > self.capacity:  # (called every step: no views built for nothing)
             empty = tree_map(lambda x: x[:1, :, :0], (self.keys, self.values))
             self._reserve(need, *empty)
 
