@@ -28,7 +28,7 @@ import mlx.core as mx
 from ..sampling import SamplingConfig
 from .base import Draft, Verdict
 from .suffix_cache import SuffixCache, Text, shared_cache
-from .tree_draft import TokenTree, chain
+from .tree_draft import TokenTree, chain, is_chain
 
 
 class SuffixDrafter:
@@ -105,7 +105,7 @@ class SuffixDrafter:
         if not found:
             return chain([])
         tokens, parents, counts, _ = self.cache.tree(found[1], budget, self.min_prob)
-        if len(tokens) < budget and all(p == i - 1 for i, p in enumerate(parents)):
+        if len(tokens) < budget and is_chain(parents):
             path = self.lookup(budget)
             if len(path) > len(tokens):
                 return chain(path)

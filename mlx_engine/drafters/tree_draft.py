@@ -38,7 +38,12 @@ class TokenTree:
     @property
     def is_chain(self) -> bool:
         """Node i's parent is i - 1 (known on the host only: a device tree is never called a chain)."""
-        return self.on_host and all(p == i - 1 for i, p in enumerate(self.parents))
+        return self.on_host and is_chain(self.parents)
+
+
+def is_chain(parents: list[int]) -> bool:
+    """Node i's parent is i - 1 for every node."""
+    return all(p == i - 1 for i, p in enumerate(parents))
 
 
 def chain(tokens: list[int]) -> TokenTree:
