@@ -132,15 +132,15 @@ def main(argv: list[str] | None = None) -> int:
 def run(args, argv) -> int:
     from ..core.engine import Engine, GenerationConfig
     from ..models import load
-    from .suite import load_prompts, suite_file
+    from .suite import load_prompts, suite_file, suite_rows
     from .verify import time_verify_forward
 
-    rows_file = suite_file(args.suite)  # the cheap checks before the model loads
+    suite_file(args.suite)  # the cheap checks before the model loads
     out = writable_file(args.out, "--out") if args.out else None
     loaded = load(args.model)  # None: the embedded default
     tok = loaded.tokenizer
     prompts = load_prompts(args.suite, args.prompts, tok)
-    ids = [json.loads(line)["id"] for line in rows_file.read_text().splitlines() if line.strip()][: len(prompts)]
+    ids = [r["id"] for r in suite_rows(args.suite, args.prompts)]
     stop = frozenset(getattr(tok, "eos_token_ids", None) or ())
     engine = Engine(loaded.model, None)
     rows, texts = [], []

@@ -88,10 +88,14 @@ def suite_file(suite: str) -> Path:
     return path
 
 
+def suite_rows(suite: str, n: int) -> list[dict]:
+    """The first n rows of a suite ({"id", "messages", ...})."""
+    return [json.loads(line) for line in suite_file(suite).read_text().splitlines() if line.strip()][:n]
+
+
 def load_prompts(suite: str, n: int, tokenizer) -> list[list[int]]:
-    path = suite_file(suite)
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()][:n]
-    return [list(tokenizer.apply_chat_template(r["messages"], add_generation_prompt=True)) for r in rows]
+    return [list(tokenizer.apply_chat_template(r["messages"], add_generation_prompt=True))
+            for r in suite_rows(suite, n)]
 
 
 def registry_drafters(args, loaded, mtp_ok: bool) -> dict:
