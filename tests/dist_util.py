@@ -21,6 +21,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable
 MLX_LAUNCH = str(Path(PYTHON).parent / "mlx.launch")
+# the ranks import this tree's packages (not an installed copy) and the tests' helpers
+PYTHONPATH = os.pathsep.join([str(ROOT), str(ROOT / "tests")])
 
 
 def free_ports(n: int) -> list[int]:
@@ -34,7 +36,7 @@ def free_ports(n: int) -> list[int]:
 
 
 def env_for(rank: int, hostfile: str, extra: dict | None = None) -> dict:
-    env = {**os.environ, "MLX_HOSTFILE": hostfile, "MLX_RANK": str(rank), "PYTHONPATH": str(ROOT / "tests"),
+    env = {**os.environ, "MLX_HOSTFILE": hostfile, "MLX_RANK": str(rank), "PYTHONPATH": PYTHONPATH,
            "MLX_ENGINE_DIST_BACKEND": "ring"}
     env.update(extra or {})
     return env
@@ -96,7 +98,7 @@ def mlx_launch(argv: list[str], n: int = 2, timeout: float = 120, env: dict | No
     cmd = [MLX_LAUNCH, "-n", str(n), "--backend", "ring", "--starting-port", str(port), *envs, "--",
            PYTHON, *argv]
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, "PYTHONPATH": str(ROOT / "tests")})
+                          env={**os.environ, "PYTHONPATH": PYTHONPATH})
 
 
 def save_noisy_copy(src: Path, dst: Path, scale: float = 0.05, seed: int = 0) -> Path:
