@@ -170,6 +170,17 @@ MUTANTS = [
            "for m in range(0, min(lengths[i] + 1, n - 1 - i) + 1):",
            ("tests/test_bench_ceiling.py",),
            "the oracle's schedule drafts one token more than the text holds, every draft still accepted"),
+    Mutant("guard-blind-to-peers", "mlx_engine/distributed/guard.py",
+           "gone = self.peers.closed() if stuck else []",
+           "gone = []",
+           ("tests/test_distributed_faults.py", "-k", "sockets"),
+           "the watchdog trusts MLX to raise for a dead rank: collectives queued after the ring gave up wait "
+           "for the timeout"),
+    Mutant("peek-consumes", "mlx_engine/distributed/peers.py",
+           "s.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)",
+           "s.recv(1, socket.MSG_DONTWAIT)",
+           ("tests/test_distributed_peers.py",),
+           "the look at a peer's socket takes a byte the ring's worker should have read"),
 ]
 
 

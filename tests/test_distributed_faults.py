@@ -44,3 +44,18 @@ def test_a_hung_rank_ends_the_run_after_the_timeout_with_what_happened(tmp_path,
     assert f"no progress for {TIMEOUT}" in line and "did not answer" in line and "mlx issue 4475" in line
     assert "waiting for the verify pass of cycle" in line or "decoding plain token" in line
     assert rank0.seconds < 60  # start-up + a few cycles + the timeout, not a hang
+
+
+def test_a_dead_rank_is_seen_on_its_sockets_when_no_collective_raises():
+    """Collectives queued after MLX's ring gave up on a closed socket wait forever, with no exception
+    (distributed/peers.py): the guard sees the closed socket itself and ends the rank at once, exit 2."""
+    from dist_util import launch
+
+    rank0, rank1 = launch(["tests/dist_guard_driver.py", str(TIMEOUT)], 2, timeout=60, until_rank0=True)
+    assert rank1.returncode == -9
+    assert "watching 0 sockets" not in rank0.stdout and "watching" in rank0.stdout, rank0.stdout
+    assert rank0.returncode == 2, rank0.stderr[-2000:]
+    line = [ln for ln in rank0.stderr.splitlines() if ln.startswith("error: ")][-1]
+    assert "rank 0 of 2 lost the connection to the other ranks while summing the queued collectives" in line
+    assert "a rank died" in line and "Traceback" not in rank0.stderr
+    assert rank0.seconds - rank1.seconds < TIMEOUT

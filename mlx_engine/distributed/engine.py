@@ -36,10 +36,11 @@ from .. import host
 from ..core.engine import Engine, GenerationConfig
 from ..drafters.base import Draft, Verdict
 from . import counting, packets
-from .group import EXIT_FAULT, DistributedError, init, timeout_seconds
+from .group import EXIT_ERROR, EXIT_FAULT, DistributedError, init, timeout_seconds
 from .guard import Guard
 from .loading import drafter_refusal
 from .packets import CONTROL_WIDTH, KMAX, Control, Ended, control, read_control, share
+from .peers import joined
 from .plain import Stretch
 from .rollback import check_rollback_paths
 from .sharded_target import shard_target
@@ -76,7 +77,8 @@ class DistributedEngine(Engine):
         shard_target(self.target)  # (HeldCache holds the same object)
         self.trees = _NoTrees()
         self.serving = serving
-        self.guard = Guard(self.rank, self.size, timeout or timeout_seconds())
+        self.guard = Guard(self.rank, self.size, timeout or timeout_seconds(), joined(),
+                           exit_lost=EXIT_FAULT if serving else EXIT_ERROR)  # as `_fault` ends each
         counting.install()
         self.last_collectives: dict[str, int] = {}  # by kind, over the last generation (this rank's)
         self._reset()

@@ -14,11 +14,14 @@ import sys
 
 import mlx.core as mx
 
+from . import peers
+
 MODES = ("pipeline", "tensor")
 TIMEOUT_ENV = "MLX_ENGINE_DIST_TIMEOUT"  # seconds one wait for the other ranks may last before the run stops
 DEFAULT_TIMEOUT = 120.0
 BACKEND_ENV = "MLX_ENGINE_DIST_BACKEND"  # MLX's backend name: any (default), ring, jaccl, mpi
-EXIT_FAULT = 3  # exit status of a run ended by a dead or hung rank
+EXIT_FAULT = 3  # exit status of a run ended by a hung rank, or of a server by a dead one
+EXIT_ERROR = 2  # a one-shot run ended by a dead rank: the status of a command's one-line error
 
 
 class DistributedError(ValueError):
@@ -29,7 +32,8 @@ def init() -> mx.distributed.Group:
     """The group this process belongs to (a group of one without a launcher)."""
     backend = os.environ.get(BACKEND_ENV, "any")
     try:
-        return mx.distributed.init(strict=False, backend=backend)
+        with peers.capture():  # the sockets the guard watches for a rank that died (peers.py)
+            return mx.distributed.init(strict=False, backend=backend)
     except (RuntimeError, ValueError) as e:
         raise DistributedError(f"cannot join the other processes ({BACKEND_ENV}={backend}): {e}") from None
 

@@ -1,0 +1,73 @@
+"""peers.py: the sockets a backend's init opened, and a peek that sees a peer gone without taking a byte."""
+
+import os
+import socket
+
+import pytest
+
+from mlx_engine.distributed import peers
+
+
+@pytest.fixture
+def connection():
+    """A loopback TCP connection: (our end, the peer's end)."""
+    server = socket.create_server(("127.0.0.1", 0))
+    ours = socket.create_connection(server.getsockname())
+    theirs, _ = server.accept()
+    server.close()
+    yield ours, theirs
+    ours.close()
+    theirs.close()
+
+
+def test_an_open_peer_is_not_gone_and_its_bytes_stay_unread(connection):
+    ours, theirs = connection
+    assert not peers.peer_closed(ours.fileno())  # nothing sent yet
+    theirs.sendall(b"xy")
+    assert not peers.peer_closed(ours.fileno())
+    assert ours.recv(2) == b"xy"  # the peek consumed nothing
+    assert ours.gettimeout() is None  # and left our blocking mode alone
+
+
+def test_a_closed_peer_is_gone_even_with_bytes_left_to_read(connection):
+    ours, theirs = connection
+    theirs.sendall(b"z")
+    theirs.close()
+    assert not peers.peer_closed(ours.fileno())  # its last byte first: the worker may still need it
+    assert ours.recv(1) == b"z"
+    assert peers.peer_closed(ours.fileno())
+
+
+def test_capture_keeps_the_connected_sockets_opened_inside_and_forgets_none(connection, monkeypatch):
+    monkeypatch.setattr(peers, "_joined", peers.PeerSockets())
+    ours, _ = connection  # opened before: not the backend's
+    with peers.capture():
+        listener = socket.create_server(("127.0.0.1", 0))  # a listening socket has no peer
+        inside = socket.create_connection(listener.getsockname())
+        accepted, _ = listener.accept()
+    try:
+        assert set(peers.joined().fds) == {inside.fileno(), accepted.fileno()}
+        with peers.capture():  # a repeated init opens nothing
+            pass
+        assert set(peers.joined().fds) == {inside.fileno(), accepted.fileno()}
+        assert peers.joined().closed() == []
+        accepted.close()
+        assert peers.joined().closed() == [inside.fileno()]
+    finally:
+        for s in (listener, inside, accepted):
+            s.close()
+
+
+def test_a_descriptor_that_now_names_another_file_is_not_watched(connection, tmp_path):
+    ours, theirs = connection
+    watched = peers.PeerSockets({ours.fileno(): os.fstat(ours.fileno()).st_ino})
+    theirs.close()
+    fd = ours.detach()
+    file = os.open(tmp_path / "f", os.O_CREAT | os.O_RDWR)
+    os.dup2(file, fd)  # the socket's number now names a file
+    try:
+        assert watched.closed() == []
+        os.close(fd)
+        assert watched.closed() == []  # and now nothing
+    finally:
+        os.close(file)
