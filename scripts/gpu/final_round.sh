@@ -9,9 +9,7 @@
 #                                                               # 15-minute device budget: the fixed-row verdict first
 set -u
 PART=${1:-1}
-step() { local name=$1 limit=$2; shift 2; echo "== $name" | tee -a $OUT/summary.log
-  local t0=$(date +%s); timeout $limit "$@" > $OUT/$name.log 2>&1; local rc=$?
-  echo "   rc=$rc $(( $(date +%s) - t0 )) s" | tee -a $OUT/summary.log; tail -${TAILN:-25} $OUT/$name.log; }
+source "$(dirname "$0")/lib.sh"  # step NAME LIMIT CMD...
 N8=$(python3 -c "import xdist" 2>/dev/null && echo "-n 8")
 python3 -c "from mlx_engine import kernels; print(kernels.describe())" 2>&1 | tail -3
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null | tee -a $OUT/summary.log
