@@ -48,7 +48,7 @@ from .batch_policy import BatchPolicy, FixedBatchPolicy
 from .batch_prefill import PrefillQueue
 from .batch_rows import BatchRows
 from .batch_sequence import Output, RunningSequence, padded
-from .context import check_context
+from .context import check_request
 from .memory import MemoryBudget
 from .verify import choose_row
 
@@ -139,14 +139,7 @@ class BatchEngine(BatchRows):
         return n + (self.prefix_cache.nbytes if self.prefix_cache is not None else 0)
 
     def check(self, prompt: list[int], max_tokens: int = 1) -> None:
-        if not prompt:
-            raise ValueError("the prompt is empty")
-        vocab = self.target.vocab_size
-        if max(prompt) >= vocab or min(prompt) < 0:
-            raise ValueError(f"prompt token ids must be in [0, {vocab})")
-        check_context(len(prompt), max_tokens, self.context_length)
-        if self.memory is not None:
-            self.memory.check_sequence(len(prompt) + max_tokens)
+        check_request(prompt, max_tokens, self.target.vocab_size, self.context_length, self.memory)
 
     def _extent(self, s: RunningSequence) -> int:
         return len(s.prompt) + s.max_tokens

@@ -27,7 +27,7 @@ from ..target.fixed_rows import make_invariant
 from ..kernels.acceptance import uniforms_from_key
 from ..drafters.base import Draft, Drafter, HiddenRequest, Verdict, hidden_request
 from . import invariance_default, members
-from .context import check_context
+from .context import check_request
 from .held_cache import HeldCache
 from .memory import MemoryBudget
 from .policy import AdaptivePolicy
@@ -262,14 +262,7 @@ class Engine:
 
     # -- the phases of a cycle -------------------------------------------------------------------
     def _check_prompt(self, prompt: list[int], max_tokens: int) -> None:
-        if not prompt:
-            raise ValueError("the prompt is empty")
-        vocab = self.target.vocab_size
-        if max(prompt) >= vocab or min(prompt) < 0:
-            raise ValueError(f"prompt token ids must be in [0, {vocab})")
-        check_context(len(prompt), max_tokens, self.context_length)
-        if self.memory is not None:
-            self.memory.check_sequence(len(prompt) + max_tokens)
+        check_request(prompt, max_tokens, self.target.vocab_size, self.context_length, self.memory)
 
     def _start(self, prompt: list[int], cfg: GenerationConfig, want_hidden: HiddenRequest | None) -> int | None:
         """Prefill, sample the first token, and start the drafter on the prompt + that token.
