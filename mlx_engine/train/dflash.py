@@ -30,9 +30,9 @@ import mlx.optimizers as optim  # noqa: E402
 import numpy as np  # noqa: E402
 from mlx.utils import tree_flatten  # noqa: E402
 
-from ..args import ArgumentParser, HelpFormatter, count, fail, finite, int_list  # noqa: E402
+from ..args import ArgumentParser, HelpFormatter, count, finite, int_list  # noqa: E402
 from ..drafters.dflash import DFlashModel  # noqa: E402
-from ..models import ModelLoadError  # noqa: E402
+from .command import run_trainer  # noqa: E402
 from ..target.hidden import HiddenRequest  # noqa: E402
 from .batches import choose_subset, schedule  # noqa: E402
 from .corpus import _text_rows, log  # noqa: E402
@@ -105,7 +105,7 @@ def train_forward(model: DFlashModel, emb, feats, qpos, mask, theta):
 
 def make_batch(data, idx, rng, m: int, B: int, S: int, mask_id: int):
     """Bt sequences (cut to S), m anchors each -> arrays for train_forward + teacher rows + loss weights."""
-    toks, feats, finals, qpos, masks, tgt_rows, w = [], [], [], [], [], [], []
+    toks, feats, qpos, masks, tgt_rows, w = [], [], [], [], [], []
     R = m * B
     for i in idx:
         t, f, h, st = data[i]
@@ -160,17 +160,7 @@ def _parser() -> ArgumentParser:
 
 
 def main(argv=None) -> int:
-    try:
-        a = _parser().parse_args(argv)
-    except SystemExit as e:  # --help, or a bad flag (one `error:` line printed)
-        return e.code
-    if a.steps == 0:
-        log("--steps 0: nothing to train (no model loaded, no corpus read, nothing written)")
-        return 0
-    try:
-        return train(a)
-    except (TrainInputError, ModelLoadError) as e:  # bad input: one line, status 2, no traceback
-        return fail(str(e))
+    return run_trainer(_parser(), train, argv, "no model loaded, no corpus read, nothing written")
 
 
 def check_inputs(a) -> Path:

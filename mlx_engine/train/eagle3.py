@@ -38,10 +38,10 @@ import mlx.optimizers as optim  # noqa: E402
 import numpy as np  # noqa: E402
 from mlx.utils import tree_flatten, tree_map  # noqa: E402
 
-from ..args import count, fail, finite  # noqa: E402
+from ..args import count, finite  # noqa: E402
 from ..drafters.eagle3 import Eagle3Head, default_aux_ids  # noqa: E402
 from ..drafters.vocab_subset import output_rows  # noqa: E402
-from ..models import ModelLoadError  # noqa: E402
+from .command import run_trainer  # noqa: E402
 from ..target.hidden import HiddenRequest  # noqa: E402
 from . import mtp  # noqa: E402
 from .batches import batch_order, make_windows, schedule  # noqa: E402
@@ -320,17 +320,7 @@ def load_features(args, m, target, out: Path, request: HiddenRequest, prompts: l
 
 
 def main(argv=None) -> int:
-    try:
-        args = _parser().parse_args(argv)
-    except SystemExit as e:
-        return e.code
-    if args.steps == 0:
-        log("--steps 0: nothing to train (no model loaded, no corpus read, nothing written)")
-        return 0
-    try:
-        return train(args)
-    except (TrainInputError, ModelLoadError) as e:  # bad input: one line, status 2, no traceback
-        return fail(str(e))
+    return run_trainer(_parser(), train, argv, "no model loaded, no corpus read, nothing written")
 
 
 def train(args) -> int:

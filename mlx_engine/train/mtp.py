@@ -48,10 +48,10 @@ import mlx.optimizers as optim  # noqa: E402
 import numpy as np  # noqa: E402
 from mlx.utils import tree_flatten, tree_map, tree_unflatten  # noqa: E402
 
-from ..args import ArgumentParser, HelpFormatter, count, fail, finite  # noqa: E402
+from ..args import ArgumentParser, HelpFormatter, count, finite  # noqa: E402
 from ..drafters.vocab_subset import SUBSET_KEY, output_rows  # noqa: E402
 from .batches import batch_order, choose_subset, make_windows, schedule, train_step_fn  # noqa: E402
-from ..models import ModelLoadError  # noqa: E402
+from .command import run_trainer  # noqa: E402
 from .corpus import GENERATED, frozen_target, generate_corpus_resumable, load_corpora, log, read_corpus  # noqa: E402
 from .inputs import (  # noqa: E402
     TrainInputError, check_checkpoint, check_corpus_files, check_hidden_size, read_prompts, writable_dir,
@@ -223,17 +223,7 @@ def _parser() -> ArgumentParser:
 
 
 def main(argv=None) -> int:
-    try:
-        args = _parser().parse_args(argv)
-    except SystemExit as e:  # --help, or a bad flag (one `error:` line printed)
-        return e.code
-    if args.steps == 0:  # nothing to train: load nothing, generate nothing, write nothing
-        log("--steps 0: nothing to train (no model loaded, no corpus generated, nothing written)")
-        return 0
-    try:
-        return train(args)
-    except (TrainInputError, ModelLoadError) as e:  # bad input: one line, status 2, no traceback
-        return fail(str(e))
+    return run_trainer(_parser(), train, argv, "no model loaded, no corpus generated, nothing written")
 
 
 def check_inputs(args) -> tuple[Path, list[str] | None]:
