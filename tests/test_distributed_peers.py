@@ -71,3 +71,35 @@ def test_a_descriptor_that_now_names_another_file_is_not_watched(connection, tmp
         assert watched.closed() == []  # and now nothing
     finally:
         os.close(file)
+
+
+@pytest.mark.parametrize("backend, hostfile, watched", [
+    ("ring", None, True), ("any", "hosts.json", True), ("any", None, False), ("jaccl", "hosts.json", False),
+    ("mpi", None, False)])
+def test_only_the_rings_sockets_are_watched(backend, hostfile, watched, monkeypatch):
+    """Another backend's sockets may be set-up channels its peer closes when done: never watched."""
+    import mlx.core as mx
+
+    monkeypatch.setattr(peers, "_joined", peers.PeerSockets())
+    monkeypatch.setattr(mx.cuda, "is_available", lambda: False)
+    if hostfile:
+        monkeypatch.setenv("MLX_HOSTFILE", hostfile)
+    else:
+        monkeypatch.delenv("MLX_HOSTFILE", raising=False)
+    with peers.capture(backend):
+        listener = socket.create_server(("127.0.0.1", 0))
+        inside = socket.create_connection(listener.getsockname())
+        accepted, _ = listener.accept()
+    try:
+        assert bool(peers.joined().fds) == watched
+    finally:
+        for s in (listener, inside, accepted):
+            s.close()
+
+
+def test_any_backend_with_cuda_is_nccl_not_the_ring(monkeypatch):
+    import mlx.core as mx
+
+    monkeypatch.setenv("MLX_HOSTFILE", "hosts.json")
+    monkeypatch.setattr(mx.cuda, "is_available", lambda: True)
+    assert not peers.is_ring("any") and peers.is_ring("ring")

@@ -32,7 +32,7 @@ def init() -> mx.distributed.Group:
     """The group this process belongs to (a group of one without a launcher)."""
     backend = os.environ.get(BACKEND_ENV, "any")
     try:
-        with peers.capture():  # the sockets the guard watches for a rank that died (peers.py)
+        with peers.capture(backend):  # the sockets the guard watches for a rank that died (peers.py)
             return mx.distributed.init(strict=False, backend=backend)
     except (RuntimeError, ValueError) as e:
         raise DistributedError(f"cannot join the other processes ({BACKEND_ENV}={backend}): {e}") from None

@@ -8,8 +8,10 @@ exception ever reaches Python, and the rank would sit there until the watchdog's
 sockets are closed by its kernel, which a peek (MSG_PEEK, never consuming a byte the worker should read)
 sees at once.
 
-`capture()` runs around the backend's init: the connected stream sockets that appeared are the ones
-joining the ranks. With a group made elsewhere (mx.distributed.init called directly) none are known and
+`capture(backend)` runs around the backend's init: the connected stream sockets that appeared are the
+ones joining the ranks, for the ring backend only, which keeps its sockets for the whole run (another
+backend's sockets may be set-up channels a peer closes once it is done: a closed one would say nothing).
+With another backend, or a group made elsewhere (mx.distributed.init called directly), none are known and
 only the timeout applies.
 """
 
@@ -87,11 +89,26 @@ class PeerSockets:
 _joined = PeerSockets()
 
 
+def is_ring(backend: str) -> bool:
+    """Whether mx.distributed.init(backend=backend) joins through the ring: asked for by name, or "any"
+    where MLX tries it first (no CUDA, whose NCCL comes first) and its hostfile is there."""
+    if backend == "ring":
+        return True
+    if backend != "any" or not os.environ.get("MLX_HOSTFILE"):
+        return False
+    import mlx.core as mx
+
+    return not mx.cuda.is_available()
+
+
 @contextmanager
-def capture():
-    """Around a backend's init: remember the connected stream sockets it opened (a repeated init, which
-    returns the same group, opens none and forgets none)."""
+def capture(backend: str = "ring"):
+    """Around a backend's init: remember the connected stream sockets the ring opened (a repeated init,
+    which returns the same group, opens none and forgets none; another backend: nothing)."""
     global _joined
+    if not is_ring(backend):
+        yield
+        return
     before = _open_sockets()
     yield
     opened = {fd: ino for fd, ino in _open_sockets().items() if before.get(fd) != ino and _connected_stream(fd)}
