@@ -2,6 +2,7 @@
 
 import os
 import socket
+from pathlib import Path
 
 import pytest
 
@@ -103,3 +104,49 @@ def test_any_backend_with_cuda_is_nccl_not_the_ring(monkeypatch):
     monkeypatch.setenv("MLX_HOSTFILE", "hosts.json")
     monkeypatch.setattr(mx.cuda, "is_available", lambda: True)
     assert not peers.is_ring("any") and peers.is_ring("ring")
+
+
+GUARDED = """
+import socket, sys, time
+from mlx_engine.distributed.guard import Guard
+from mlx_engine.distributed.peers import PeerSockets
+import os
+ours, theirs = socket.socketpair()
+theirs.close()  # the peer is gone
+guard = Guard(0, 2, timeout=30, peers=PeerSockets({ours.fileno(): os.fstat(ours.fileno()).st_ino}),
+              exit_lost=int(sys.argv[1]))
+guard.arm()
+for i in range(int(sys.argv[2])):  # beats while making progress
+    guard.beat(f"step {i}")
+    time.sleep(0.2)
+guard.disarm()
+if sys.argv[3] == "stuck":
+    guard.arm()
+    guard.beat("waiting for the verify pass of cycle 7")
+    time.sleep(10)
+else:
+    time.sleep(2)  # disarmed: between generations
+print("ended by itself")
+"""
+
+
+def run_guarded(status: int, beats: int, then: str):
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-c", GUARDED, str(status), str(beats), then], capture_output=True,
+                          text=True, timeout=60, cwd=Path(__file__).resolve().parents[1])
+
+
+def test_the_guard_ends_a_stuck_rank_whose_peer_closed_with_the_status_asked():
+    done = run_guarded(3, 0, "stuck")  # a server's status
+    assert done.returncode == 3, done.stderr
+    assert "ended by itself" not in done.stdout
+    line = done.stderr.strip().splitlines()[-1]
+    assert line.startswith("error: rank 0 of 2 lost the connection to the other ranks while waiting for the "
+                           "verify pass of cycle 7") and "closed by its peer" in line
+
+
+def test_a_rank_that_makes_progress_or_is_idle_is_left_alone():
+    done = run_guarded(2, 10, "idle")  # 2 s of beats every 0.2 s with the peer closed, then 2 s disarmed
+    assert done.returncode == 0 and "ended by itself" in done.stdout, done.stderr
