@@ -118,7 +118,7 @@ guard = Guard(0, 2, timeout=30, peers=PeerSockets({ours.fileno(): os.fstat(ours.
 guard.arm()
 for i in range(int(sys.argv[2])):  # beats while making progress
     guard.beat(f"step {i}")
-    time.sleep(0.2)
+    time.sleep(0.1)
 guard.disarm()
 if sys.argv[3] == "stuck":
     guard.arm()
@@ -148,5 +148,5 @@ def test_the_guard_ends_a_stuck_rank_whose_peer_closed_with_the_status_asked():
 
 
 def test_a_rank_that_makes_progress_or_is_idle_is_left_alone():
-    done = run_guarded(2, 10, "idle")  # 2 s of beats every 0.2 s with the peer closed, then 2 s disarmed
+    done = run_guarded(2, 20, "idle")  # 2 s of beats every 0.1 s with the peer closed, then 2 s disarmed
     assert done.returncode == 0 and "ended by itself" in done.stdout, done.stderr
