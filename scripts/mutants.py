@@ -181,6 +181,11 @@ MUTANTS = [
            "s.recv(1, socket.MSG_DONTWAIT)",
            ("tests/test_distributed_peers.py",),
            "the look at a peer's socket takes a byte the ring's worker should have read"),
+    Mutant("refit-keeps-compiled", "mlx_engine/train/mtp.py",
+           "self.opt, self._compiled = opt, None  # the compiled step holds the old schedule",
+           "self.opt = opt",
+           ("tests/test_train_mtp.py", "-k", "fit_minutes_ends"),
+           "--fit-minutes swaps the schedule but the compiled train step keeps updating with the old one"),
 ]
 
 

@@ -191,3 +191,40 @@ def assert_same_checkpoint(a_run, b_run):
         assert set(a) == set(b)
         for k in a:
             assert mx.allclose(a[k], b[k], atol=1e-6).item(), (name, k)
+
+
+def test_fitted_steps_fill_what_the_budget_holds_and_never_lengthen():
+    from mlx_engine.train.mtp import fitted_steps
+
+    assert fitted_steps(21, 10_000, per_step=0.1, seconds_left=10.0) == 21 + 95  # 95% of 100 steps
+    assert fitted_steps(21, 50, per_step=0.1, seconds_left=10.0) == 50  # it fits already: unchanged
+    assert fitted_steps(21, 10_000, per_step=0.1, seconds_left=-3.0) == 22  # over budget: one more step
+
+
+def test_fit_minutes_ends_the_schedule_inside_the_budget(setup):
+    """--minutes alone cuts the run where the clock says, the learning rate still high; with --fit-minutes
+    the schedule is shortened after the first steps and the run ends at its decayed end, whatever the
+    machine's speed (the step count it reaches is not asserted)."""
+    from mlx_engine.train.batches import schedule
+
+    root, folder, _, corpus = setup
+    lr = 3e-3
+    for name, extra, decayed in (("cut", [], False), ("fit", ["--fit-minutes"], True)):
+        out = _train(root, folder, corpus, name, "--steps", "100000", "--minutes", "0.05", "--ckpt-every",
+                     "100000", *extra)
+        steps = json.loads((out / "mtp.json").read_text())["steps"]
+        final_lr = mx.load(str(out / "checkpoint" / "optimizer.safetensors"))["learning_rate"].item()
+        assert steps < 100_000
+        if decayed:  # the last update used the fitted schedule's last value, ~lr/10
+            assert final_lr == pytest.approx(schedule(lr, steps, 2)(steps - 1).item(), rel=1e-5)
+            assert final_lr < 0.15 * lr
+        else:
+            assert final_lr > 0.9 * lr
+
+
+@pytest.mark.parametrize("extra, error", [
+    (["--fit-minutes"], "--fit-minutes needs --minutes"),
+    (["--fit-minutes", "--minutes", "1", "--resume"], "--fit-minutes with --resume")])
+def test_fit_minutes_refuses_what_it_cannot_fit(tmp_path, capsys, extra, error):
+    assert main(["--out", str(tmp_path / "out"), "--steps", "10", *extra]) == 2
+    assert error in capsys.readouterr().err

@@ -324,6 +324,7 @@ def main(argv=None) -> int:
 
 
 def train(args) -> int:
+    mtp.check_fit(args)
     if args.corpus:  # train-mtp's checks, with .safetensors corpora refused (they hold no layer features)
         check_corpus_files(args.corpus, safetensors=False)
     prompts = None if args.corpus else read_prompts(args.prompts or mtp.DEFAULT_PROMPTS)

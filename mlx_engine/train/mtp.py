@@ -176,6 +176,15 @@ class Trainer:
         mx.eval(self.head.parameters(), self.opt.state)
         return state
 
+    def refit(self, steps: int) -> None:
+        """The same run, its learning-rate schedule now over `steps` (optimizer state and step kept)."""
+        self.args.steps = steps
+        opt = optim.AdamW(learning_rate=schedule(self.args.lr, steps, self.args.warmup),
+                          weight_decay=self.args.weight_decay)
+        opt.state = self.opt.state
+        opt.init(self.layer.trainable_parameters())
+        self.opt, self._compiled = opt, None  # the compiled step holds the old schedule
+
 
 def _parser() -> ArgumentParser:
     p = ArgumentParser(prog="python -m mlx_engine train-mtp", formatter_class=HelpFormatter,
@@ -217,6 +226,9 @@ def _parser() -> ArgumentParser:
                    help="run the train step uncompiled (off: one mx.compile'd step)")
     p.add_argument("--minutes", type=finite(0.0), default=0.0,
                    help="stop (checkpoint + write the head) after this wall time (0 = no limit)")
+    p.add_argument("--fit-minutes", action="store_true",
+                   help="with --minutes: time the first steps, then shorten --steps to what the budget holds, so the "
+                        "learning rate decays fully before the head is written (never lengthens; not with --resume)")
     p.add_argument("--stop-after", type=count(0), default=0,
                    help="stop this run after N steps (checkpointed; --resume continues the same schedule; 0 = off)")
     return p
@@ -226,9 +238,20 @@ def main(argv=None) -> int:
     return run_trainer(_parser(), train, argv, "no model loaded, no corpus generated, nothing written")
 
 
+def check_fit(args) -> None:
+    """--fit-minutes fits the schedule to --minutes, once, in a fresh run."""
+    if args.fit_minutes and not args.minutes:
+        raise TrainInputError("--fit-minutes needs --minutes M (the budget the schedule is fitted to)")
+    if args.fit_minutes and args.resume:
+        raise TrainInputError("--fit-minutes with --resume: the checkpoint's schedule is kept as it was; "
+                              "drop one of them")
+
+
 def check_inputs(args) -> tuple[Path, list[str] | None]:
-    """What can be checked before the model loads, in order: the corpus files (or the prompts file), a
-    checkpoint to resume, the output folder (created, a file written there). Returns (out, prompts)."""
+    """What can be checked before the model loads, in order: the flags that go together, the corpus files
+    (or the prompts file), a checkpoint to resume, the output folder (created, a file written there).
+    Returns (out, prompts)."""
+    check_fit(args)
     prompts = None
     if args.corpus:
         check_corpus_files(args.corpus)
@@ -339,12 +362,35 @@ def resume_and_train(trainer, args, ckpt: Path, subset, t_start: float, announce
     return history, elapsed_before + (time.perf_counter() - t_train)
 
 
+FIT_AFTER = 20  # steps timed (after the first, which compiles) before --fit-minutes fits the schedule
+FIT_OVERRUN = 1.5  # a fitted run still stops at 1.5x --minutes (the machine slowed after the timing)
+
+
+def fitted_steps(step: int, steps: int, per_step: float, seconds_left: float, margin: float = 0.95) -> int:
+    """--fit-minutes: the total steps the rest of the budget holds at `per_step` seconds a step (`margin` of
+    it, for the estimate's error and the head's writing), at least one more, never more than `steps`."""
+    return min(steps, step + max(1, int(margin * max(seconds_left, 0.0) / per_step)))
+
+
 def train_loop(trainer: Trainer, args, ckpt: Path, extra, history: list, t_start: float, t_train: float,
                start_step: int) -> None:
-    """Steps until --steps (or --stop-after, --minutes), logging and checkpointing on the way."""
+    """Steps until --steps (or --stop-after, --minutes; with --fit-minutes, until the fitted --steps),
+    logging and checkpointing on the way."""
     t_log, slots_log, acc = time.perf_counter(), 0.0, []
+    fitting, t_first = bool(args.fit_minutes and args.minutes), None
     while trainer.step < args.steps:
         loss, agree, n = trainer.train_step()
+        if fitting and trainer.step == start_step + 1:
+            t_first = time.perf_counter()
+        elif fitting and trainer.step == start_step + 1 + FIT_AFTER:
+            now = time.perf_counter()
+            fit = fitted_steps(trainer.step, args.steps, (now - t_first) / FIT_AFTER,
+                               args.minutes * 60 - (now - t_start))
+            if fit < args.steps:
+                log(f"--fit-minutes: {args.steps} steps do not fit in {args.minutes} min; the schedule now "
+                    f"ends at step {fit}")
+                trainer.refit(fit)
+            fitting = False  # fitted: the schedule's end is the run's end
         acc.append((loss, agree))
         slots_log += n
         s = trainer.step
@@ -363,7 +409,9 @@ def train_loop(trainer: Trainer, args, ckpt: Path, extra, history: list, t_start
             trainer.save(ckpt, extra())
         if args.stop_after and s - start_step >= args.stop_after:
             break
-        if args.minutes and time.perf_counter() - t_start > args.minutes * 60:
+        # fitted, the schedule's end is the run's end; the clock only stops a run that slowed down badly
+        budget = args.minutes * 60 * (FIT_OVERRUN if args.fit_minutes and not fitting else 1.0)
+        if args.minutes and time.perf_counter() - t_start > budget:
             log(f"time budget of {args.minutes} min reached at step {s}")
             break
 

@@ -17,7 +17,7 @@
 # Then on the CPU: python -m mlx_engine.train.heldout_acceptance against the shipped head (README of
 # mlx_engine/heads/smollm2-135m-instruct), and the chat bench with the best.
 # Knobs (environment): SCALE multiplies every time budget, LIMIT answers only the first N prompts, BATCH
-# rows per generation batch, CORPUS_S seconds of generation (200), MTP_STEPS / E3_STEPS / DF_STEPS. A dry
+# rows per generation batch, CORPUS_S seconds of generation (180), MTP_STEPS / E3_STEPS / DF_STEPS. A dry
 # run on the CPU, to see it work:
 #   OUT=/tmp/round-out SCALE=0.2 LIMIT=32 BATCH=16 MTP_STEPS=20 bash scripts/gpu/train_round.sh mtp
 set -u
@@ -55,7 +55,7 @@ if [ "$PART" = mtp ]; then
   # passes over every prompt until the corpus budget is spent: greedy first, then sampled (T = 0.8, a seed
   # each); each pass stops after the batch that crosses what is left (~10 passes: >= 10x the committed
   # 391k answer tokens, if the GPU answers ~20k tokens/s)
-  budget=$(python3 -c "print(int(${CORPUS_S:-200} * $SCALE))"); t0=$(date +%s); pass=0
+  budget=$(python3 -c "print(int(${CORPUS_S:-180} * $SCALE))"); t0=$(date +%s); pass=0
   while :; do left=$(( budget - ($(date +%s) - t0) )); [ $left -ge 10 ] || break
     temp=0.8; [ $pass -eq 0 ] && temp=0
     TAILN=2 step corpus_$pass $(( left + 60 )) $PY -m mlx_engine.train.make_corpus --prompts $R/prompts.jsonl \
@@ -63,8 +63,8 @@ if [ "$PART" = mtp ]; then
       --temp $temp --seed $(( 100 + pass )) --limit $LIMIT
     pass=$(( pass + 1 )); done
   TAILN=3 step pack 60 $PY scripts/gpu/train_round.py pack $R/corpus_*.jsonl --out $OUT/corpus.npz
-  TAILN=12 step mtp 250 $PY -m mlx_engine train-mtp --out $R/mtp --corpus $R/corpus_*.safetensors \
-    --steps ${MTP_STEPS:-4000} --minutes $(mins 3.4) --batch 64 --seq-len 64 --lr 1e-3 --warmup 100 \
+  TAILN=12 step mtp 270 $PY -m mlx_engine train-mtp --out $R/mtp --corpus $R/corpus_*.safetensors \
+    --steps ${MTP_STEPS:-8000} --minutes $(mins 3.2) --fit-minutes --batch 64 --seq-len 64 --lr 1e-3 --warmup 100 \
     --vocab-subset 8192 --init random --log-every 100 --ckpt-every 100000
   cp $R/mtp/mtp.safetensors $R/mtp/mtp.json $OUT/ 2>/dev/null
 elif [ "$PART" = drafters ]; then
@@ -72,7 +72,7 @@ elif [ "$PART" = drafters ]; then
   files=$($PY scripts/gpu/train_round.py unpack $CORPUS --out $R/jsonl) || exit 2
   echo "corpus: $files" | tee -a $OUT/summary.log
   TAILN=12 step eagle3 270 $PY -m mlx_engine train-eagle3 --out $R/eagle3 --corpus $files \
-    --steps ${E3_STEPS:-3000} --minutes $(mins 3.6) --batch 64 --seq-len 64 --lr 1e-3 --warmup 100 \
+    --steps ${E3_STEPS:-8000} --minutes $(mins 3.6) --fit-minutes --batch 64 --seq-len 64 --lr 1e-3 --warmup 100 \
     --vocab-subset 8192 --encode-batch 64 --log-every 100 --ckpt-every 100000
   TAILN=12 step dflash 230 $PY -m mlx_engine train-dflash --out $R/dflash --corpus ${files// /,} \
     --steps ${DF_STEPS:-3000} --minutes $(mins 3.2) --batch 32
