@@ -17,7 +17,7 @@
 # Then on the CPU: python -m mlx_engine.train.heldout_acceptance against the shipped head (README of
 # mlx_engine/heads/smollm2-135m-instruct), and the chat bench with the best.
 # Knobs (environment): SCALE multiplies every time budget, LIMIT answers only the first N prompts, BATCH
-# rows per generation batch, CORPUS_S seconds of generation (180), MTP_STEPS / E3_STEPS / DF_STEPS. A dry
+# rows per generation batch, CORPUS_S seconds of generation (180), MTP_STEPS / E3_STEPS / DF_STEPS, DF_BATCH. A dry
 # run on the CPU, to see it work:
 #   OUT=/tmp/round-out SCALE=0.2 LIMIT=32 BATCH=16 MTP_STEPS=20 bash scripts/gpu/train_round.sh mtp
 set -u
@@ -75,7 +75,7 @@ elif [ "$PART" = drafters ]; then
     --steps ${E3_STEPS:-8000} --minutes $(mins 3.6) --fit-minutes --batch 64 --seq-len 64 --lr 1e-3 --warmup 100 \
     --vocab-subset 8192 --encode-batch 64 --log-every 100 --ckpt-every 100000
   TAILN=12 step dflash 230 $PY -m mlx_engine train-dflash --out $R/dflash --corpus ${files// /,} \
-    --steps ${DF_STEPS:-3000} --minutes $(mins 3.2) --batch 32
+    --steps ${DF_STEPS:-3000} --minutes $(mins 3.2) --batch ${DF_BATCH:-32}
   # the weights and configs only (not the features or checkpoints), in parts under $OUT's 16 MiB a file
   for d in eagle3 dflash; do [ -f $R/$d/model.safetensors ] || continue
     (cd $R && tar czf - $d/config.json $d/model.safetensors $(ls $d/*.json | grep -v config.json)) \
