@@ -26,8 +26,8 @@ GGUF=SmolLM2-135M-Instruct.Q4_1.gguf
 if [ "$PART" = bundle ]; then  # here, not on the device
   src=$(python -c "from mlx_engine.models.default import default_gguf; print(default_gguf())") || exit 2
   mkdir -p .round && rm -f .round/gguf-*.part
-  head -c 22M "$src" > .round/gguf-1.part
-  tail -c +$(( 22 * 1048576 + 1 )) "$src" | split -b 40M -a 1 --numeric-suffixes=2 --additional-suffix=.part - .round/gguf-
+  head -c 20M "$src" > .round/gguf-1.part
+  tail -c +$(( 20 * 1048576 + 1 )) "$src" | split -b 40M -a 1 --numeric-suffixes=2 --additional-suffix=.part - .round/gguf-
   (cd "$(dirname "$src")" && sha256sum $GGUF) > .round/gguf.sha256
   ls -la .round; exit 0
 fi
