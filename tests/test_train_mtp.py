@@ -194,7 +194,7 @@ def assert_same_checkpoint(a_run, b_run):
 
 
 def test_fitted_steps_fill_what_the_budget_holds_and_never_lengthen():
-    from mlx_engine.train.mtp import fitted_steps
+    from mlx_engine.train.loop import fitted_steps
 
     assert fitted_steps(21, 10_000, per_step=0.1, seconds_left=10.0) == 21 + 95  # 95% of 100 steps
     assert fitted_steps(21, 50, per_step=0.1, seconds_left=10.0) == 50  # it fits already: unchanged

@@ -44,6 +44,7 @@ from ..drafters.vocab_subset import output_rows  # noqa: E402
 from .command import run_trainer  # noqa: E402
 from ..target.hidden import HiddenRequest  # noqa: E402
 from . import mtp  # noqa: E402
+from .loop import resume_and_train  # noqa: E402
 from .batches import batch_order, make_windows, schedule  # noqa: E402
 from .corpus import (  # noqa: E402
     GENERATED, _text_rows, frozen_target, generate_corpus_resumable, log, read_corpus, save_corpus,
@@ -349,7 +350,7 @@ def train(args) -> int:
     trainer = Eagle3Trainer(target, head, subset, seqs, args)
     n_tokens = sum(len(t) for t, _ in seqs)
     n_params = sum(v.size for _, v in tree_flatten(head.parameters()))
-    history, train_seconds = mtp.resume_and_train(trainer, args, ckpt, subset, t_start, lambda: log(
+    history, train_seconds = resume_and_train(trainer, args, ckpt, subset, t_start, lambda: log(
         f"corpus: {len(seqs)} sequences, {n_tokens} tokens, {trainer.n_slots} slots in {trainer.n_windows} "
         f"windows of {args.seq_len}; features at boundaries {boundaries}; head {n_params / 1e6:.2f}M parameters, "
         f"draft vocabulary {int(ids.shape[0])}; TTT depth {args.ttt}; steps {trainer.step}->{args.steps}"))
