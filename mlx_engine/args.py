@@ -106,6 +106,20 @@ def fail(message: str) -> int:
     return 2
 
 
+def run_main(parser, run, argv, errors: tuple) -> int:
+    """A command's main: parse argv (--help or a bad flag: argparse's exit status and its one `error:`
+    line), then run(args); an exception of `errors` (bad input met after parsing: a missing file, a model
+    that does not load) is one `error:` line and exit status 2, no traceback."""
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:
+        return e.code
+    try:
+        return run(args)
+    except errors as e:
+        return fail(str(e))
+
+
 INTERRUPTED = 130  # the shell's status for a process ended by Ctrl-C (128 + SIGINT)
 
 

@@ -22,17 +22,12 @@ def command(parser, run, argv) -> int:
     """A bench command's main: parse argv (a bad flag or --help: argparse's exit status, one `error:` line),
     then run(args, argv); bad input the run meets (BenchInputError, a model that does not load, a missing
     file) is one `error:` line and exit status 2, Ctrl-C the usual interrupted exit."""
-    from ..args import fail, interrupted
+    from ..args import interrupted, run_main
     from ..models import ModelLoadError
 
     try:
-        args = parser.parse_args(argv)
-    except SystemExit as e:
-        return e.code
-    try:
-        return run(args, argv)
-    except (BenchInputError, ModelLoadError, FileNotFoundError) as e:
-        return fail(str(e))
+        return run_main(parser, lambda args: run(args, argv), argv,
+                        (BenchInputError, ModelLoadError, FileNotFoundError))
     except KeyboardInterrupt:
         return interrupted()
 

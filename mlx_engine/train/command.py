@@ -3,7 +3,7 @@ report bad input (a flag, a file, a model) as one `error:` line with exit status
 
 from __future__ import annotations
 
-from ..args import fail
+from ..args import run_main
 from ..models import ModelLoadError
 from .corpus import log
 from .inputs import TrainInputError
@@ -11,14 +11,11 @@ from .inputs import TrainInputError
 
 def run_trainer(parser, train, argv, nothing: str) -> int:
     """`train(args)` for the parsed `argv`; `nothing`: what --steps 0 leaves undone, as the log says it."""
-    try:
-        args = parser.parse_args(argv)
-    except SystemExit as e:  # --help, or a bad flag (one `error:` line printed)
-        return e.code
-    if args.steps == 0:
-        log(f"--steps 0: nothing to train ({nothing})")
-        return 0
-    try:
+
+    def run(args) -> int:
+        if args.steps == 0:
+            log(f"--steps 0: nothing to train ({nothing})")
+            return 0
         return train(args)
-    except (TrainInputError, ModelLoadError) as e:
-        return fail(str(e))
+
+    return run_main(parser, run, argv, (TrainInputError, ModelLoadError))
