@@ -32,9 +32,9 @@ from mlx.utils import tree_flatten  # noqa: E402
 
 from ..args import ArgumentParser, HelpFormatter, count, finite, int_list  # noqa: E402
 from ..drafters.dflash import DFlashModel  # noqa: E402
-from .command import run_trainer  # noqa: E402
 from ..target.hidden import HiddenRequest  # noqa: E402
 from .batches import choose_subset, schedule  # noqa: E402
+from .command import run_trainer  # noqa: E402
 from .corpus import _text_rows, log  # noqa: E402
 from .inputs import TrainInputError, check_corpus_files, writable_dir  # noqa: E402
 

@@ -34,22 +34,21 @@ from pathlib import Path
 from .. import _platform  # noqa: F401  OpenBLAS before mlx
 
 import mlx.core as mx  # noqa: E402
-import mlx.optimizers as optim  # noqa: E402
 import numpy as np  # noqa: E402
 from mlx.utils import tree_flatten, tree_map  # noqa: E402
 
 from ..args import count, finite  # noqa: E402
 from ..drafters.eagle3 import Eagle3Head, default_aux_ids  # noqa: E402
 from ..drafters.vocab_subset import output_rows  # noqa: E402
-from .command import run_trainer  # noqa: E402
 from ..target.hidden import HiddenRequest  # noqa: E402
 from . import mtp  # noqa: E402
-from .loop import resume_and_train  # noqa: E402
-from .batches import batch_order, make_windows, schedule  # noqa: E402
+from .command import run_trainer  # noqa: E402
+from .batches import batch_order, make_windows  # noqa: E402
 from .corpus import (  # noqa: E402
     GENERATED, _text_rows, frozen_target, generate_corpus_resumable, log, read_corpus, save_corpus,
 )
 from .inputs import TrainInputError, check_checkpoint, check_corpus_files, read_prompts, writable_dir  # noqa: E402
+from .loop import resume_and_train  # noqa: E402
 
 FEATURES = "eagle3_corpus.safetensors"
 CONFIG, WEIGHTS, INFO = "config.json", "model.safetensors", "eagle3.json"
@@ -214,8 +213,7 @@ class Eagle3Trainer(mtp.Trainer):
         mx.eval(self.W, self.tokens, self.hidden)
         self.n_windows = self.hid_idx.shape[0]
         self.n_slots = int(self.mask.sum())
-        self.opt = optim.AdamW(learning_rate=schedule(args.lr, args.steps, args.warmup),
-                               weight_decay=args.weight_decay)
+        self.opt = self.optimizer(args.steps)
         self.opt.init(head.trainable_parameters())
         self.step = 0
         self._compiled = None

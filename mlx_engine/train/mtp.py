@@ -107,10 +107,15 @@ class Trainer:
         mx.eval(self.W, self.tokens, self.hidden)
         self.n_windows = self.hid_idx.shape[0]
         self.n_slots = int(self.mask.sum())
-        self.opt = optim.AdamW(learning_rate=schedule(args.lr, args.steps, args.warmup), weight_decay=args.weight_decay)
+        self.opt = self.optimizer(args.steps)
         self.opt.init(self.layer.trainable_parameters())
         self.step = 0
         self._compiled = None
+
+    def optimizer(self, steps: int):
+        """AdamW with the learning-rate schedule over `steps` (warm-up, then cosine decay)."""
+        return optim.AdamW(learning_rate=schedule(self.args.lr, steps, self.args.warmup),
+                           weight_decay=self.args.weight_decay)
 
     # one batch's inputs, built from the window indices (all gathers on device)
     def inputs(self, step: int):
@@ -180,8 +185,7 @@ class Trainer:
     def refit(self, steps: int) -> None:
         """The same run, its learning-rate schedule now over `steps` (optimizer state and step kept)."""
         self.args.steps = steps
-        opt = optim.AdamW(learning_rate=schedule(self.args.lr, steps, self.args.warmup),
-                          weight_decay=self.args.weight_decay)
+        opt = self.optimizer(steps)
         opt.state = self.opt.state
         opt.init(self.layer.trainable_parameters())
         self.opt, self._compiled = opt, None  # the compiled step holds the old schedule
