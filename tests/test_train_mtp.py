@@ -201,21 +201,42 @@ def test_fitted_steps_fill_what_the_budget_holds_and_never_lengthen():
     assert fitted_steps(21, 10_000, per_step=0.1, seconds_left=-3.0) == 22  # over budget: one more step
 
 
-def test_fit_minutes_ends_the_schedule_inside_the_budget(setup):
+def test_fit_minutes_ends_the_schedule_inside_the_budget(setup, monkeypatch):
     """--minutes alone cuts the run where the clock says, the learning rate still high; with --fit-minutes
-    the schedule is shortened after the first steps and the run ends at its decayed end, whatever the
-    machine's speed (the step count it reaches is not asserted)."""
+    the schedule is shortened after the first steps to what the budget holds and the run ends at its
+    decayed end. The clock is a fake one that moves 1/16 s per train step (the loop reads nothing else), so
+    what is asserted is the fit, not the machine's speed: a busy machine once stopped the fitted run at the
+    1.5x overrun before its schedule ended."""
+    import types
+
+    from mlx_engine.train import loop, mtp
     from mlx_engine.train.batches import schedule
 
+    tick, now = 1 / 16, [0.0]
+    clock = types.SimpleNamespace(perf_counter=lambda: now[0])
+    monkeypatch.setattr(loop, "time", clock)
+    monkeypatch.setattr(mtp, "time", clock)
+    step = mtp.Trainer.train_step
+
+    def timed_step(self):
+        out = step(self)
+        now[0] += tick
+        return out
+
+    monkeypatch.setattr(mtp.Trainer, "train_step", timed_step)
     root, folder, _, corpus = setup
     lr = 3e-3
-    for name, extra, decayed in (("cut", [], False), ("fit", ["--fit-minutes"], True)):
+    # 0.05 min = 3 s = 48 steps of 1/16 s. Cut: the first step past 3 s is step 49. Fit: steps 2-21 timed
+    # at 1/16 s, 3 - 21/16 s left hold 27 steps, 95% of them 25: the schedule ends at step 21 + 25 = 46,
+    # inside the budget (and far from the 1.5x overrun, 72 steps, that stops a run that slowed down).
+    for name, extra, want in (("cut", [], 49), ("fit", ["--fit-minutes"], 46)):
+        now[0] = 0.0
         out = _train(root, folder, corpus, name, "--steps", "100000", "--minutes", "0.05", "--ckpt-every",
                      "100000", *extra)
         steps = json.loads((out / "mtp.json").read_text())["steps"]
         final_lr = mx.load(str(out / "checkpoint" / "optimizer.safetensors"))["learning_rate"].item()
-        assert steps < 100_000
-        if decayed:  # the last update used the fitted schedule's last value, ~lr/10
+        assert steps == want, name
+        if extra:  # the last update used the fitted schedule's last value, ~lr/10
             assert final_lr == pytest.approx(schedule(lr, steps, 2)(steps - 1).item(), rel=1e-5)
             assert final_lr < 0.15 * lr
         else:
