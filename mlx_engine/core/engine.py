@@ -26,6 +26,8 @@ from .. import host, kernels
 from ..target.fixed_rows import make_invariant
 from ..kernels.acceptance import uniforms_from_key
 from ..drafters.base import Draft, Drafter, HiddenRequest, Verdict, hidden_request
+from ..grammar import Grammar, apply_bitmask
+from ..grammar.drafter import GRAMMAR, GrammarDrafter
 from . import invariance_default, members
 from .context import check_request
 from .held_cache import HeldCache
@@ -53,6 +55,8 @@ class GenerationConfig:
     profile_every: int = 0  # every n-th cycle synchronise at phase boundaries to time them (0 = never)
     on_prefill: Callable[[int, int], None] | None = None  # (tokens prefilled, tokens to prefill), chunk by chunk
     should_stop: Callable[[], bool] | None = None  # asked between prefill chunks: True ends generate() there
+    grammar: Grammar | None = None  # structured output (mlx_engine/grammar): every token emitted is one it allows
+    reasoning: bool = False  # the answer opens inside the model's reasoning: the grammar starts after its end marker
 
     def __post_init__(self):
         if self.max_tokens < 1:
@@ -110,6 +114,8 @@ class Engine:
         self.target = Target(model, kv_bits, kv_group_size)
         self.target.check_cache()
         self.drafter = drafter
+        self._drafting = drafter  # this generation's drafter: under a grammar, the grammar ahead of `drafter`
+        self._matcher = None  # this generation's grammar state (grammar/matcher.py), or None
         self.max_draft = max_draft
         self.policy = AdaptivePolicy(**members.settings(drafter, max_draft))  # kept across generations
         self.member_policies: dict[str, AdaptivePolicy] = {}  # a chain's other members' own policies
@@ -145,12 +151,14 @@ class Engine:
         self.held.fed(kept[: len(kept) - replay], hidden)
         self._replay = kept[len(kept) - replay :] if replay else []
         self._last = verdict.tokens[verdict.n_accepted]
-        if self.drafter is not None:
-            self.drafter.commit(verdict, hidden)
+        if self._drafting is not None:
+            self._drafting.commit(verdict, hidden)
 
-    def _choose(self, logits, context, draft: Draft, cfg: SamplingConfig, key) -> mx.array:
-        """[n_accepted, t_0..t_k] on device (see verify.py)."""
+    def _choose(self, logits, context, draft: Draft, cfg: SamplingConfig, key, masks=None) -> mx.array:
+        """[n_accepted, t_0..t_k] on device (see verify.py); `masks` [k + 1, W]: the grammar's, row by row."""
         logits = process_logits(logits, context, cfg)
+        if masks is not None:
+            logits = apply_bitmask(logits, masks)
         target = logits if cfg.greedy else probabilities(logits, cfg)
         if self._fused_accept is not None:
             return self._fused(target, draft, cfg.greedy, key)
@@ -197,9 +205,14 @@ class Engine:
             self.held.remember()
 
     def _cycles(self, prompt: list[int], cfg: GenerationConfig) -> Iterator[Step]:
-        sampling, drafter = cfg.sampling, self.drafter
+        sampling = cfg.sampling
+        matcher = self._matcher = cfg.grammar.matcher(cfg.reasoning) if cfg.grammar is not None else None
+        # under a grammar, its forced tokens are drafted ahead of the drafter (grammar/drafter.py)
+        drafter = self._drafting = GrammarDrafter(self.drafter, matcher) if matcher is not None else self.drafter
         want_hidden = hidden_request(drafter)  # which target hidden states the drafter reads, or None
         default, own = members.policies(drafter, self.policy, self.member_policies, cfg.num_draft, self.max_draft)
+        if matcher is not None:
+            own = {**own, GRAMMAR: drafter.policy}
         stats = self.stats = SpecStats(prompt_tokens=len(prompt))
         mx.reset_peak_memory()
         self._target_key, draft_key = mx.random.split(mx.random.key(cfg.seed))
@@ -245,9 +258,16 @@ class Engine:
                 k, verdict, drafted, waited = self.trees.cycle(k, sampling, dkey, want_hidden, profile, policy)
             else:
                 draft = self._propose(k, sampling, dkey, profile)
+                proposed = draft.tokens.shape[0]
+                if matcher is not None:  # cut at the first token the grammar forbids, before it is verified
+                    draft = self._legal(draft)
                 k = draft.tokens.shape[0]
                 ckpt, logits, hidden = self._verify(draft, want_hidden, profile)
-                verdict, drafted, waited = self._accept(logits, draft, sampling, profile)
+                masks = self._draft_masks(draft, logits) if matcher is not None else None
+                verdict, drafted, waited = self._accept(logits, draft, sampling, profile, masks)
+                if matcher is not None:  # the rejected drafts leave the matcher; the drafter hears of all it drafted
+                    matcher.settle(k, verdict.n_accepted, verdict.tokens[verdict.n_accepted])
+                    verdict = Verdict(proposed, verdict.n_accepted, verdict.tokens)
                 self._commit(ckpt, verdict, hidden)
             emitted, stopped = self._emit(verdict.tokens, cfg)
             n = min(verdict.n_accepted, len(emitted))
@@ -276,14 +296,19 @@ class Engine:
             return None
         logits, hidden, self.stats.reused_tokens = prefilled
         no_draft = _no_draft()
-        out = self._choose(logits, self._context(cfg.sampling, no_draft.tokens), no_draft, cfg.sampling, self._next_key())
+        masks = self._matcher.mask() if self._matcher is not None else None
+        out = self._choose(logits, self._context(cfg.sampling, no_draft.tokens), no_draft, cfg.sampling,
+                           self._next_key(), masks)
         first = host.read(out)[1]
+        if self._matcher is not None:
+            self._matcher.consume([first])
         self._history.append(first)
         self._last, self._replay = first, []
-        if self.drafter is not None:
-            if getattr(self.drafter, "reads_target_cache", False):  # Gemma 4's assistant: a read-only view
-                self.drafter.attach_target_cache(self.cache)
-            self.drafter.begin(list(self._history), hidden)
+        drafter = self._drafting
+        if drafter is not None:
+            if getattr(drafter, "reads_target_cache", False):  # Gemma 4's assistant: a read-only view
+                drafter.attach_target_cache(self.cache)
+            drafter.begin(list(self._history), hidden)
         self.stats.generated = 1
         self.stats.prompt_time = time.perf_counter() - t0
         return first
@@ -291,12 +316,12 @@ class Engine:
     def _draft_length(self, wanted: int, remaining: int) -> int:
         """The policy's k, cut so the cycle cannot pass max_tokens nor the drafter's own limit."""
         k = min(wanted, remaining - 1, self.max_rows - 1 if self.max_rows else wanted)
-        limit = self.drafter.max_draft() if self.drafter is not None else None
+        limit = self._drafting.max_draft() if self._drafting is not None else None
         return min(k, limit) if limit is not None else k
 
     def _propose(self, k: int, sampling: SamplingConfig, key: mx.array, profile: bool) -> Draft:
         """The drafter's k tokens (lazy); the device starts on them while Python builds the verify graph."""
-        draft = self.drafter.propose(k, sampling, key)
+        draft = self._drafting.propose(k, sampling, key)
         host.start(draft.tokens)
         if profile:
             t = time.perf_counter()
@@ -317,6 +342,20 @@ class Engine:
             self.stats.time_verify += time.perf_counter() - t
         return ckpt, logits, hidden
 
+    def _legal(self, draft: Draft) -> Draft:
+        """The draft cut at its first token the grammar forbids. A drafter that drafts on the device has its
+        tokens read first: under a grammar a cycle reads the host twice (the drafts, then the verdict)."""
+        tokens = draft.host_tokens if draft.host_tokens is not None else host.read(draft.tokens)
+        n = self._matcher.legal(tokens)
+        probs = draft.probs[:n] if draft.probs is not None and n < len(tokens) else draft.probs
+        return Draft(draft.tokens[:n] if n < len(tokens) else draft.tokens, probs, list(tokens[:n]))
+
+    def _draft_masks(self, draft: Draft, logits: mx.array):
+        """The grammar's mask of every verified row, built on the host while the device runs the verify pass;
+        the matcher is left advanced through the draft (settled after the verdict)."""
+        host.start(logits)
+        return self._matcher.masks(draft.host_tokens)
+
     def _feed_replay(self, want_hidden: HiddenRequest | None) -> None:
         """Feed the kept tokens a snapshot rollback handed back, in a pass of their own at the start of a
         drafting cycle: the verify checkpoint comes after them, and a drafter reading the target cache sees
@@ -326,11 +365,11 @@ class Engine:
             self.held.fed(self._replay, h)
             self._replay = []
 
-    def _accept(self, logits, draft: Draft, sampling: SamplingConfig, profile: bool):
-        """The acceptance rule on device, then the cycle's one host read.
-        -> (verdict, the drafted tokens, seconds spent waiting for the device)."""
+    def _accept(self, logits, draft: Draft, sampling: SamplingConfig, profile: bool, masks=None):
+        """The acceptance rule on device (over the grammar's masked rows, when there is one), then the cycle's
+        one host read. -> (verdict, the drafted tokens, seconds spent waiting for the device)."""
         k = draft.tokens.shape[0]
-        out = self._choose(logits, self._context(sampling, draft.tokens), draft, sampling, self._next_key())
+        out = self._choose(logits, self._context(sampling, draft.tokens), draft, sampling, self._next_key(), masks)
         packed = mx.concatenate([out, draft.tokens.astype(mx.int32)])  # drafts ride along for the trace
         t_sync = time.perf_counter()
         values = host.read(packed)  # the cycle's one host synchronisation
@@ -350,32 +389,50 @@ class Engine:
     ) -> Iterator[Step]:
         """Decode n_tokens plainly, pipelined as in mlx-lm: step i+1 is built and started before token i
         is read. One host read per token; the drafter (if any) is kept in step with k = 0 commits.
+        Under a grammar, step i+1's pass still starts before token i is read, its sampling after (its mask
+        needs token i): the host builds the mask while the device runs the pass.
         `until()` true after a token: stop after the next one (already in flight), the stretch cut short."""
-        sampling, stats, drafter = cfg.sampling, self.stats, self.drafter
+        sampling, stats, drafter, matcher = cfg.sampling, self.stats, self._drafting, self._matcher
         width = sampling.repetition_context
         no_draft = _no_draft()
 
-        def step(inputs: mx.array, window: mx.array):
-            """Feed inputs; -> (next token [1], penalty window, hidden rows of the inputs or None)."""
+        def forward(inputs: mx.array, window: mx.array):
+            """Feed inputs; -> (logits of the next token [1, V], penalty window, hidden rows of the inputs or None)."""
             logits, hidden = self.target.forward(inputs, self.cache, want_hidden)
             window = mx.concatenate([window, inputs[-1:]])[-width:]  # history up to the newest input
+            return logits[-1:], window, hidden
+
+        def choose(logits: mx.array, window: mx.array) -> mx.array:
+            """The next token [1]; under a grammar, masked by the matcher as it stands (every token before fed)."""
             context = window if sampling.penalized else None
-            return self._choose(logits[-1:], context, no_draft, sampling, self._next_key())[1:2], window, hidden
+            masks = matcher.mask() if matcher is not None else None
+            return self._choose(logits, context, no_draft, sampling, self._next_key(), masks)[1:2]
 
         first = self._replay + [self._last]
         self._replay = []
-        token, window, hidden = step(mx.array(first, dtype=mx.int32), mx.array(self._history[:-1][-width:], dtype=mx.int32))
+        logits, window, hidden = forward(mx.array(first, dtype=mx.int32),
+                                         mx.array(self._history[:-1][-width:], dtype=mx.int32))
+        token = choose(logits, window)
         self.held.fed(first, hidden)
         host.start(token)
         for i in range(n_tokens):
             t_cycle = time.perf_counter()
             current, current_hidden = token, hidden
             if i + 1 < n_tokens:
-                token, window, hidden = step(current, window)
-                host.start(token)
+                logits, window, hidden = forward(current, window)
+                if matcher is None:
+                    token = choose(logits, window)
+                    host.start(token)
+                else:
+                    host.start(logits)
             t_sync = time.perf_counter()
             tok = host.read(current)[0]  # the cycle's one host synchronisation
             t_back = time.perf_counter()
+            if matcher is not None:
+                matcher.consume([tok])
+                if i + 1 < n_tokens:
+                    token = choose(logits, window)
+                    host.start(token)
             if drafter is not None:
                 drafter.commit(Verdict(0, 0, [tok]), current_hidden[-1:] if want_hidden else None)
                 if until is not None and i + 1 < n_tokens - 1 and until():

@@ -27,6 +27,8 @@ import mlx.core as mx
 from .. import host
 from ..drafters.base import Verdict
 from ..drafters.tree_draft import TokenTree, host_ancestors, host_depths, walk
+from ..grammar import apply_bitmask
+from ..grammar.trees import kept, legal_nodes, tree_masks
 from ..kernels.batch_attention import tree_bits
 from ..sampling import SamplingConfig, probabilities, process_logits, sample
 from ..target import tree_cache
@@ -52,7 +54,7 @@ class Trees:
 
     def wanted(self, member: str | None, sampling: SamplingConfig) -> bool:
         """This cycle verifies a tree: the drafter drafts one for `member` and the engine can verify it."""
-        d = self.engine.drafter
+        d = self.engine._drafting
         return (d is not None and hasattr(d, "propose_tree") and d.drafts_tree(member)
                 and not sampling.penalized and self.off is None)
 
@@ -61,7 +63,11 @@ class Trees:
         -> (nodes drafted, verdict, the drafted tokens, seconds waiting for the device)."""
         e = self.engine
         t = time.perf_counter()
-        tree: TokenTree = e.drafter.propose_tree(k, sampling, key)
+        tree: TokenTree = e._drafting.propose_tree(k, sampling, key)
+        matcher, asked = e._matcher, tree.size
+        origin = None  # under a grammar: the kept nodes' indices in the drafter's tree
+        if matcher is not None:  # the nodes the grammar forbids (and their subtrees) are cut before the pass
+            tree, origin = legal_tree(tree, matcher)
         n = tree.size
         # the device starts on the drafter's work while Python builds the verify graph
         host.start(tree.tokens, *([] if tree.on_host else [tree.ancestors, tree.depths]))
@@ -89,7 +95,11 @@ class Trees:
             t = time.perf_counter()
             host.wait(logits)
             e.stats.time_verify += time.perf_counter() - t
-        picks = pick(logits, sampling, e._next_key())
+        masks = None
+        if matcher is not None:  # built on the host while the device runs the pass
+            host.start(logits)
+            masks = tree_masks(matcher, tree.parents, tree.host_tokens)
+        picks = pick(logits, sampling, e._next_key(), masks)
         parts = [picks] + ([] if tree.host_tokens is not None else [tree.tokens.astype(mx.int32)]) \
             + ([] if tree.on_host else [tree.parents.astype(mx.int32)])
         t_sync = time.perf_counter()
@@ -103,13 +113,15 @@ class Trees:
         tokens = tree.host_tokens if tree.host_tokens is not None else rest[:n]
         parents = tree.parents if tree.on_host else rest[-n:] if n else []
         path = walk(parents, tokens, choices)
-        self.last_path = [r - 1 for r in path]
+        self.last_path = [r - 1 if origin is None else origin[r - 1] for r in path]
         emitted = [tokens[r - 1] for r in path] + [choices[path[-1] if path else 0]]
+        if matcher is not None:
+            matcher.consume(emitted)
         verdict = Verdict(n, len(path), emitted)
         self._commit([0] + path, start, verdict, hidden)
         adaptive = getattr(policy, "inner", None) or policy  # (the chat's live policy wraps one)
         if getattr(adaptive, "tree", False):  # which ranks were accepted, for the engine's observe() next
-            adaptive.observe_tree(n, self.last_path)
+            adaptive.observe_tree(asked, self.last_path)
         return n, verdict, list(tokens), waited
 
     def _commit(self, rows: list[int], start: int, verdict: Verdict, hidden) -> None:
@@ -121,13 +133,32 @@ class Trees:
             kept_hidden = hidden if rows == list(range(len(rows))) else hidden[mx.array(rows, dtype=mx.int32)]
         e.held.fed([e._last] + verdict.tokens[: verdict.n_accepted], kept_hidden)
         e._last = verdict.tokens[verdict.n_accepted]
-        e.drafter.commit(verdict, kept_hidden)
+        e._drafting.commit(verdict, kept_hidden)
 
 
-def pick(logits: mx.array, sampling: SamplingConfig, key: mx.array) -> mx.array:
+def legal_tree(tree: TokenTree, matcher) -> tuple[TokenTree, list[int]]:
+    """The tree without the nodes a grammar forbids and their subtrees, as a host tree (a device tree is
+    read first: under a grammar a tree cycle reads the host twice). -> (tree, kept nodes' indices in `tree`)."""
+    if tree.on_host and tree.host_tokens is not None:
+        tokens, parents = list(tree.host_tokens), list(tree.parents)
+    elif tree.on_host:
+        tokens, parents = host.read(tree.tokens.astype(mx.int32)), list(tree.parents)
+    else:
+        flat = host.read(mx.concatenate([tree.tokens.astype(mx.int32), tree.parents.astype(mx.int32)]))
+        tokens, parents = flat[: tree.size], flat[tree.size :]
+    keep, new_parents = kept(parents, legal_nodes(matcher, parents, tokens))
+    if len(keep) == len(parents) and tree.on_host and tree.host_tokens is not None:
+        return tree, keep
+    tokens = [tokens[i] for i in keep]
+    return TokenTree(mx.array(tokens, dtype=mx.int32), new_parents, host_tokens=tokens), keep
+
+
+def pick(logits: mx.array, sampling: SamplingConfig, key: mx.array, masks=None) -> mx.array:
     """The target's token at every row: argmax (temperature 0), else one sample per row from the sampler
-    chain's distribution, each row with its own uniform."""
+    chain's distribution, each row with its own uniform; `masks` [rows, W]: a grammar's, applied first."""
     logits = process_logits(logits, None, sampling)
+    if masks is not None:
+        logits = apply_bitmask(logits, masks)
     if sampling.greedy:
         return mx.argmax(logits, axis=-1).astype(mx.int32)
     return sample(probabilities(logits, sampling), key).astype(mx.int32)

@@ -240,6 +240,8 @@ class DistributedEngine(Engine):
             super()._check_prompt(prompt, max_tokens)
 
     def _start(self, prompt, cfg, want_hidden):
+        if cfg.grammar is not None:  # each rank would need the same matcher state every cycle
+            raise DistributedError("structured output (a grammar) is not supported with a sharded target yet")
         self._first = True
         try:
             self.guard.beat("prefilling the prompt")
@@ -247,10 +249,10 @@ class DistributedEngine(Engine):
         finally:
             self._first = False
 
-    def _choose(self, logits, context, draft: Draft, cfg, key) -> mx.array:
+    def _choose(self, logits, context, draft: Draft, cfg, key, masks=None) -> mx.array:
         if not self._first:
-            return super()._choose(logits, context, draft, cfg, key)
-        out = super()._choose(logits, context, draft, cfg, key) if self.leader else None
+            return super()._choose(logits, context, draft, cfg, key, masks)
+        out = super()._choose(logits, context, draft, cfg, key, masks) if self.leader else None
         with self.collective("first"):
             shared = share(self.group, out, 2, after=[logits])
         self.guard.beat("waiting for the first token")
@@ -298,10 +300,10 @@ class DistributedEngine(Engine):
                 raise DistributedError(f"expected rank 0's drafts, got a {packets.ACTIONS[c.action]} packet")
         return Draft(mx.array(c.drafts, dtype=mx.int32), None, list(c.drafts))
 
-    def _accept(self, logits, draft: Draft, sampling, profile: bool):
+    def _accept(self, logits, draft: Draft, sampling, profile: bool, masks=None):
         if self.leader:
             self.guard.beat(f"waiting for the verify pass of cycle {self._cycle}")
-            verdict, drafted, waited = super()._accept(logits, draft, sampling, profile)
+            verdict, drafted, waited = super()._accept(logits, draft, sampling, profile, masks)
             self._owed = verdict
             return verdict, drafted, waited
         self._next_key()  # rank 0's acceptance drew a key: keep the key sequence in step

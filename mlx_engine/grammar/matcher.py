@@ -1,0 +1,147 @@
+"""One sequence's grammar state: which tokens may come next, the tokens it forces, rollback.
+
+A Matcher wraps llguidance's LLMatcher with the two things the engine needs beyond it:
+- a reasoning gate: a reasoning model's answer is free text until its reasoning end marker (`</think>`);
+  the grammar starts after the marker's last token, wherever it falls (in a draft too);
+- end-of-answer tokens are never fed to llguidance (once a grammar is complete they are the only tokens
+  it allows; the engine stops there), so rollback counts stay the engine's own.
+
+Invariant kept by the engine: the matcher has consumed every emitted token (not the prompt). In a verify
+cycle it is advanced through the draft's legal prefix while the masks are built (`masks`), then rolled
+back to the accepted prefix and given the token that follows (`settle`): a rejected draft token never
+stays in it.
+
+Masks are llguidance's bitmasks: int32 words, bit j of word w allows token 32 w + j ([W] per row,
+W = ceil(n_vocab / 32)); grammar/masks.py applies them to logits on the device.
+"""
+
+from __future__ import annotations
+
+import llguidance
+import numpy as np
+
+
+class GrammarViolation(RuntimeError):
+    """A token the grammar does not allow reached the matcher: a bug in the caller, never user input."""
+
+
+class Matcher:
+    def __init__(self, grammar, reasoning: bool = False):
+        """grammar: grammar.spec.Grammar. reasoning: the answer starts inside the model's reasoning, so the
+        grammar waits for `grammar.reasoning_end` (ignored when the grammar names none)."""
+        self.grammar = grammar
+        self._llg = llguidance.LLMatcher(grammar.tokenizer, grammar.source, log_level=0)
+        if self._llg.is_error():
+            raise GrammarViolation(self._llg.get_error())
+        self.eos = frozenset(grammar.tokenizer.eos_tokens)
+        self.marker = tuple(grammar.reasoning_end or ())
+        self.tokens: list[int] = []  # every token consumed, in order
+        self._fed: list[bool] = []  # whether each went to llguidance (not reasoning, not end-of-answer)
+        self._start = None if (reasoning and self.marker) else 0  # index where the grammar begins; None: reasoning
+        self.words = (grammar.tokenizer.vocab_size + 31) // 32
+
+    # -- state ------------------------------------------------------------------------------------
+    @property
+    def reasoning(self) -> bool:
+        """Still in the reasoning text: every token is allowed."""
+        return self._start is None
+
+    @property
+    def complete(self) -> bool:
+        """The grammar is satisfied and allows nothing but an end-of-answer token."""
+        return not self.reasoning and self._llg.is_stopped()
+
+    def consume(self, tokens) -> None:
+        """Advance by emitted (or drafted, legal) tokens."""
+        for t in tokens:
+            t = int(t)
+            feed = not self.reasoning and t not in self.eos
+            if feed and not self._llg.consume_token(t):
+                raise GrammarViolation(f"token {t} is not allowed here: {self._llg.get_error()}")
+            self.tokens.append(t)
+            self._fed.append(feed)
+            if self.reasoning and tuple(self.tokens[-len(self.marker):]) == self.marker:
+                self._start = len(self.tokens)
+
+    def rollback(self, n: int) -> None:
+        """Forget the last n consumed tokens (the reasoning gate reopens if its marker is forgotten)."""
+        if n <= 0:
+            return
+        if n > len(self.tokens):
+            raise ValueError(f"cannot roll back {n} of {len(self.tokens)} tokens")
+        fed = sum(self._fed[-n:])
+        if fed and not self._llg.rollback(fed):
+            raise GrammarViolation(f"rollback of {fed} tokens failed: {self._llg.get_error()}")
+        del self.tokens[-n:], self._fed[-n:]
+        if self._start is not None and len(self.tokens) < self._start:
+            self._start = None
+
+    # -- what may come next -----------------------------------------------------------------------
+    def legal(self, tokens) -> int:
+        """How many leading `tokens` the grammar allows from here (an end-of-answer token, when allowed,
+        counts and ends the run: nothing after it is checked). The state is left as it was."""
+        n, ended = 0, 0
+        for t in tokens:
+            t = int(t)
+            if t in self.eos:
+                ended = 1 if self.reasoning or self._llg.is_accepting() else 0
+                break
+            if not self.reasoning and self._llg.validate_tokens([t]) != 1:
+                break
+            self.consume([t])
+            n += 1
+        self.rollback(n)
+        return n + ended
+
+    def fill(self, out: np.ndarray) -> None:
+        """The mask of the next token into `out` ([W] int32, C-contiguous)."""
+        if self.reasoning:
+            out[:] = -1
+        else:
+            self._llg.unsafe_compute_mask_ptr(out.ctypes.data, out.nbytes)
+
+    def fill_ended(self, out: np.ndarray) -> None:
+        """The mask of a row after an end-of-answer token: end-of-answer tokens only (nothing after the end
+        is emitted, and the matcher never sees anything but an end there)."""
+        out[:] = 0
+        words = out.view(np.uint32)
+        for t in self.eos:
+            words[t // 32] |= np.uint32(1 << (t % 32))
+
+    def mask(self) -> np.ndarray:
+        """[1, W]: the mask of the next token."""
+        out = np.empty((1, self.words), dtype=np.int32)
+        self.fill(out[0])
+        return out
+
+    def masks(self, draft) -> np.ndarray:
+        """[len(draft) + 1, W]: row i the mask after draft[:i]. Consumes the draft (all of it must be legal:
+        `legal` first); `settle` rolls back what the target rejects. An end-of-answer token ends the answer:
+        the rows after it allow only end-of-answer tokens."""
+        out = np.empty((len(draft) + 1, self.words), dtype=np.int32)
+        ended = False
+        for i, t in enumerate(draft):
+            if ended:
+                self.fill_ended(out[i])
+                continue
+            self.fill(out[i])
+            self.consume([t])
+            ended = int(t) in self.eos
+        if ended:
+            self.fill_ended(out[len(draft)])
+        else:
+            self.fill(out[len(draft)])
+        return out
+
+    def settle(self, drafted: int, kept: int, following: int) -> None:
+        """After a verify pass over `drafted` consumed draft tokens: keep the first `kept`, then take the
+        target's token that follows them."""
+        self.rollback(drafted - kept)
+        self.consume([following])
+
+    def forced(self) -> list[int]:
+        """The tokens the grammar forces from here, one short of the end of the forced text (llguidance's
+        fast-forward tokens: the tokenization the model itself would write, not a longest match)."""
+        if self.reasoning or self._llg.is_stopped():
+            return []
+        return list(self._llg.compute_ff_tokens())
