@@ -123,24 +123,29 @@ def reference(model, prompt: list[int], grammar, n: int, reasoning: bool = False
 class LegalGuesser:
     """A host drafter whose drafts the grammar always allows (legal tokens picked at random): a random
     model's own drafts are nearly always cut, these are accepted in part, so rollbacks happen under the
-    grammar. Deterministic drafts (probs None)."""
+    grammar. Deterministic drafts (probs None). The answer starts at the token `begin` ends with; an
+    answer the grammar does not hold (an unconstrained row of a batch) gets no drafts."""
 
     name = "guess"
     needs_hidden = False
 
-    def __init__(self, grammar, prompt_len: int, seed: int = 0, vocab: int = VOCAB):
-        self.grammar, self.prompt_len, self.vocab = grammar, prompt_len, vocab
+    def __init__(self, grammar, seed: int = 0, vocab: int = VOCAB):
+        self.grammar, self.vocab = grammar, vocab
         self.rng = np.random.default_rng(seed)
 
     def begin(self, tokens, hidden=None):
-        self.answer = list(tokens[self.prompt_len:])
+        self.answer = list(tokens[-1:])
 
     def propose(self, k, sampling, key):
         from mlx_engine.drafters.base import Draft
+        from mlx_engine.grammar import GrammarViolation
 
         m = self.grammar.matcher()
-        m.consume(self.answer)
         out = []
+        try:
+            m.consume(self.answer)
+        except GrammarViolation:
+            k = 0
         for _ in range(k):
             bits = np.unpackbits(m.mask()[0].view(np.uint8), bitorder="little")[: self.vocab]
             allowed = [t for t in np.flatnonzero(bits).tolist() if t not in m.eos]
@@ -155,3 +160,18 @@ class LegalGuesser:
 
     def max_draft(self):
         return None
+
+
+# four schemas a tiny model finishes, one per row of a batch
+SCHEMAS = [
+    SCHEMA,
+    {"type": "object", "properties": {"ok": {"type": "boolean"}, "count": {"type": "integer", "minimum": 1, "maximum": 9}},
+     "required": ["ok", "count"], "additionalProperties": False},
+    {"type": "array", "items": {"enum": ["red", "green", "blue", "tool"]}, "minItems": 2, "maxItems": 4},
+    {"type": "object", "properties": {"name": {"type": "string", "maxLength": 4},
+                                      "kind": {"enum": ["answer", "question"]},
+                                      "tags": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 50},
+                                               "maxItems": 2}},
+     "required": ["name", "kind", "tags"], "additionalProperties": False},
+]
+PROMPTS = [PROMPT, [9, 8, 7, 6, 5], [100, 101, 102], [44, 45, 46, 47, 48, 49]]

@@ -44,6 +44,7 @@ from ..target import layer_span, sequence_attention
 from ..target.batch_sequences import idle_rows
 from ..target.model import Target
 from . import invariance_default
+from . import batch_grammar
 from .batch_policy import BatchPolicy, FixedBatchPolicy
 from .batch_prefill import PrefillQueue
 from .batch_rows import BatchRows
@@ -155,10 +156,13 @@ class BatchEngine(BatchRows):
         return need <= self.memory.limit - self.memory.base
 
     def add(self, seq_id, prompt: list[int], max_tokens: int, sampling: SamplingConfig | None = None, seed: int = 0,
-            stop_tokens: frozenset[int] = frozenset(), num_draft: int | str | None = None) -> None:
+            stop_tokens: frozenset[int] = frozenset(), num_draft: int | str | None = None, grammar=None,
+            reasoning: bool = False) -> None:
         """Queue a new sequence: the next steps prefill it (a chunk per step, inside the batch's pass) and
         its first token comes out of the step that feeds its last prompt token. `num_draft`: this request's
-        ceiling on its draft length per step (0: it never drafts; None or "auto": the batch's choice)."""
+        ceiling on its draft length per step (0: it never drafts; None or "auto": the batch's choice).
+        `grammar` (mlx_engine/grammar): every token it emits is one the grammar allows (core/batch_grammar.py);
+        `reasoning`: its answer opens inside the model's reasoning (the grammar waits for the end marker)."""
         if self.supported is not None:
             raise ValueError(f"this model cannot be batched: {self.supported}")
         if self.free_slots() <= 0:
@@ -171,7 +175,8 @@ class BatchEngine(BatchRows):
         seq = RunningSequence(seq_id, list(prompt), max_tokens, sampling or SamplingConfig(), frozenset(stop_tokens),
                               mx.random.key(seed), None, list(prompt), -1,
                               max_draft=None if num_draft in (None, "auto") else int(num_draft),
-                              evidence=self.policy.row())
+                              evidence=self.policy.row(),
+                              matcher=grammar.matcher(reasoning) if grammar is not None else None)
         self.prefills.add(seq)
 
     def cancel(self, seq_id) -> None:
@@ -221,7 +226,15 @@ class BatchEngine(BatchRows):
         ks = [0] * b
         for i, d in zip(decoding, drafting):
             ks[i] = min(d, self.seqs[i].max_tokens - self.seqs[i].generated - 1)
-        k = max(ks)
+        constrained = any(self.seqs[i].matcher is not None for i in decoding)
+        # a constrained row whose grammar forces text drafts it (its model drafter drafts nothing for it)
+        forced = batch_grammar.forced_runs(self.seqs, decoding, ks, self.max_k) if constrained else {}
+        k = max(ks)  # what the model drafters draft this step
+        t0 = time.perf_counter()
+        drafts = self._drafts(k, ks, k + 1, decoding) if k > 0 else {}
+        # the forced runs put in, other constrained rows' drafts cut at their first illegal token
+        on_host = batch_grammar.cut_drafts(self.seqs, decoding, ks, drafts, forced) if constrained else {}
+        widest = max(ks, default=0)  # the longest draft the pass verifies
         chunk, depth = 0, 0
         # while prompts are fed, every REMEASURE-th step decodes alone: the chunks' budget is a multiple of a
         # decoding step's time, which changes with the batch (and is unknown when all steps so far fed chunks)
@@ -236,7 +249,7 @@ class BatchEngine(BatchRows):
             depth = max(feeding[i].done for i in turn)
             chunk = self.prefills.chunk_size(self.step_times, len(decoding), cap, depth)
             if decoding:  # fed only as far as the room grown ahead (_grow_ahead): no growth inside the pass
-                chunk = max(0, min(chunk, self.fed_room(k + 1)))
+                chunk = max(0, min(chunk, self.fed_room(widest + 1)))
         fed = [min(chunk, f.total - f.done) if i in turn else 0 for i, f in enumerate(feeding)]
         spans = {}  # rows whose chunk crosses only some layers in this pass
         for i, f in enumerate(feeding):
@@ -246,10 +259,10 @@ class BatchEngine(BatchRows):
                     span = self.prefills.span(f, i, fed[i], bool(decoding), self.layer_count)
                     if span is not None:
                         spans[i], fed[i] = span, span.tokens
-        width = max([k + 1 if decoding else 1] + fed)  # the pass's tokens per row
+        width = max([widest + 1 if decoding else 1] + fed)  # the pass's tokens per row
         idle = [idle[i] or (feeding[i] is not None and fed[i] == 0) for i in range(b)]  # (a remeasuring step)
-        t0 = time.perf_counter()
-        drafts = self._drafts(k, ks, width, decoding) if k > 0 else {}
+        drafts = {i: padded(batch_grammar.first(d, ks[i]) if constrained else d, width - 1, self.seqs[i].last)
+                  for i, d in drafts.items()}
         rows = []
         for i, s in enumerate(self.seqs):
             if idle[i]:
@@ -264,6 +277,10 @@ class BatchEngine(BatchRows):
         with idle_rows([i for i in range(b) if idle[i]]), \
                 layer_span.crossing(list(spans.values())):
             logits, hidden = self.target.forward_batch(mx.stack(rows), self.cache, self.want_hidden)
+        masks = {}
+        if constrained or any(f is not None and self.seqs[i].matcher is not None for i, f in enumerate(feeding)):
+            host.start(logits)  # the device runs the pass while the host builds the constrained rows' masks
+            masks = batch_grammar.masks(self.seqs, on_host)
         outs, firsts = [], []
         for i, s in enumerate(self.seqs):  # the acceptance rule over the row's own ki drafts; a prompt's first token
             f = feeding[i]
@@ -273,7 +290,7 @@ class BatchEngine(BatchRows):
                 if f.done + fed[i] == f.total and (i not in spans or spans[i].end == self.layer_count):
                     context = mx.array(s.prompt[-s.sampling.repetition_context:]) if s.sampling.penalized else None
                     outs.append(choose_row(logits[i, fed[i] - 1 : fed[i]], context, mx.zeros((0,), mx.int32), None,
-                                           s.sampling, s.next_key()))
+                                           s.sampling, s.next_key(), s.matcher.mask() if s.matcher else None))
                     firsts.append(i)
                 continue
             ki = ks[i]
@@ -282,7 +299,8 @@ class BatchEngine(BatchRows):
             context = None
             if s.sampling.penalized:
                 context = mx.concatenate([mx.array(s.history[-s.sampling.repetition_context :]), d_tokens])
-            outs.append(choose_row(logits[i, : ki + 1], context, d_tokens, d_probs, s.sampling, s.next_key()))
+            outs.append(choose_row(logits[i, : ki + 1], context, d_tokens, d_probs, s.sampling, s.next_key(),
+                                   masks.get(i)))
         carried = [sp.captured for sp in spans.values() if sp.end < self.layer_count]
         if carried:
             host.start(*carried)  # (evaluated with the read below)
@@ -325,7 +343,9 @@ class BatchEngine(BatchRows):
             tokens = row[1 : n + 2]
             for bc in self.cache:
                 bc.trim_row(i, width - 1 - n)  # the rejected drafts and the row's padding
-            self._commit(s, k, ki, n, tokens, h)
+            if s.matcher is not None:  # the rejected drafts leave the matcher, the target's token joins it
+                s.matcher.settle(ki, n, tokens[n])
+            self._commit(s, k, ki, n, tokens, h, forced=i in forced)
             if h is not None:
                 s.hidden_rows.append(h[: n + 1])
             real = min(getattr(drafts[i], "n_real", k), ki) if ki > 0 else 0
@@ -333,6 +353,11 @@ class BatchEngine(BatchRows):
             if ki > 0:
                 s.verifies += 1
                 s.verified_tokens += len(emitted)
+            if i in forced:  # the grammar's drafts: counted apart, and not the drafter's evidence
+                s.forced += real
+                s.forced_accepted += min(n, real, len(emitted))
+                real = 0
+            else:
                 s.drafted += real
                 s.accepted += min(n, real, len(emitted))
             s.last = tokens[-1]
@@ -342,7 +367,7 @@ class BatchEngine(BatchRows):
             if reason:
                 finished.append(i)
         # a step right after rows joined or left, or that fed prompt chunks, costs more than (b, k) alone
-        self.policy.observe(len(decoding), k, accepted, seconds, [ks[i] for i in decoding],
+        self.policy.observe(len(decoding), k, accepted, seconds, [0 if i in forced else ks[i] for i in decoding],
                             [self.seqs[i].evidence for i in decoding], timed=not reshaped and len(decoding) == b)
         if decoding:
             self.k_steps[k] = self.k_steps.get(k, 0) + 1

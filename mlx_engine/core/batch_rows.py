@@ -180,17 +180,22 @@ class BatchRows:
         self.prefills.leave(p)
         self._reshaped = True
 
-    def _commit(self, s: RunningSequence, k: int, ki: int, n: int, tokens: list[int], h) -> None:
+    def _commit(self, s: RunningSequence, k: int, ki: int, n: int, tokens: list[int], h, forced: bool = False) -> None:
         """The row's drafter takes the step's verdict: the batched head (drafted k for every row), the row's
-        own (drafted ki), or one still being fed its prompt (drafted nothing)."""
+        own (drafted ki), or one still being fed its prompt (drafted nothing). `forced`: the row's grammar
+        drafted, not its own drafter, which hears of the tokens one at a time, as in a plain stretch."""
         if self.batched is not None and s in self.adopted:
             self.batched.commit(self.adopted.index(s), Verdict(k, n, tokens), h)
             return
-        verdict = Verdict(ki, n, tokens)
         p = self.prefills.joining.get(s.id)
         drafter = p.drafter if p is not None and p.sampled else s.drafter
-        if drafter is not None:
-            drafter.commit(verdict, h)
+        if drafter is None:
+            return
+        if forced:
+            for j, t in enumerate(tokens):
+                drafter.commit(Verdict(0, 0, [t]), h[j : j + 1] if h is not None else None)
+        else:
+            drafter.commit(Verdict(ki, n, tokens), h)
 
     def _ready_to_draft(self, s: RunningSequence) -> bool:
         if self.prefills.feeding(s) is not None:
@@ -205,6 +210,8 @@ class BatchRows:
         s = p.seq
         s.history.append(first)
         s.last = first
+        if s.matcher is not None:
+            s.matcher.consume([first])
         s.prompt_time = time.perf_counter() - p.started
         s.t_decode = time.perf_counter()
         p.sampled = True

@@ -38,6 +38,7 @@ class RunningSequence:
     reused: int = 0
     max_draft: int | None = None  # the request's own ceiling on its draft length (None: the policy's)
     evidence: object = None  # the batch policy's per-row state (its own acceptance)
+    hidden_rows: list = field(default_factory=list)  # its tokens' target hidden rows (a drafter that reads them)
     generated: int = 1
     drafted: int = 0
     accepted: int = 0
@@ -47,6 +48,9 @@ class RunningSequence:
     t_decode: float = field(default_factory=time.perf_counter)
     decode_time: float = 0.0
     cancelled: bool = False
+    matcher: object = None  # the request's grammar state (grammar/matcher.py), or None: unconstrained
+    forced: int = 0  # tokens its grammar drafted (forced text), apart from `drafted`
+    forced_accepted: int = 0
 
     def next_key(self) -> mx.array:
         self.key, k = mx.random.split(self.key)
@@ -87,6 +91,7 @@ class RunningSequence:
             "decode_tokens_per_second": (g - 1) / self.decode_time if self.decode_time > 0 else 0.0,
             "prompt_tokens": len(self.prompt), "completion_tokens": g, "reused_prompt_tokens": self.reused,
             "prompt_seconds": self.prompt_time, "decode_seconds": self.decode_time,
+            "forced": self.forced, "forced_accepted": self.forced_accepted,
             # the names of core/stats.py's SpecStats, for callers that read those
             "cycles": v, "generated": g, "decode_time": self.decode_time,
         }

@@ -256,12 +256,14 @@ class Engine:
             self._feed_replay(want_hidden)  # before the drafter (it may read the target cache) and the checkpoint
             if self.trees.wanted(member, sampling):  # a token tree: one pass, the kept path compacted
                 k, verdict, drafted, waited = self.trees.cycle(k, sampling, dkey, want_hidden, profile, policy)
+                stats.cut += self.trees.cut
             else:
                 draft = self._propose(k, sampling, dkey, profile)
                 proposed = draft.tokens.shape[0]
                 if matcher is not None:  # cut at the first token the grammar forbids, before it is verified
                     draft = self._legal(draft)
                 k = draft.tokens.shape[0]
+                stats.cut += proposed - k
                 ckpt, logits, hidden = self._verify(draft, want_hidden, profile)
                 masks = self._draft_masks(draft, logits) if matcher is not None else None
                 verdict, drafted, waited = self._accept(logits, draft, sampling, profile, masks)
@@ -271,7 +273,7 @@ class Engine:
                 self._commit(ckpt, verdict, hidden)
             emitted, stopped = self._emit(verdict.tokens, cfg)
             n = min(verdict.n_accepted, len(emitted))
-            stats.record_cycle(k, n, len(emitted))
+            stats.record_cycle(k, n, len(emitted), forced=member == GRAMMAR)
             stats.time_host += time.perf_counter() - t_cycle - waited  # all but the wait for the device
             stats.decode_time = time.perf_counter() - t_decode
             stats.peak_memory = mx.get_peak_memory()

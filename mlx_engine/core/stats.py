@@ -24,9 +24,19 @@ class SpecStats:
     time_host: float = 0.0
     peak_memory: int = 0  # bytes, mx.get_peak_memory()
     cancelled: bool = False  # GenerationConfig.should_stop() ended the prefill
+    # under a grammar: tokens it drafted (forced text) and of those accepted, kept apart from the drafter's
+    # own; drafted tokens it cut before the verify pass (not counted in `drafted`)
+    forced: int = 0
+    forced_accepted: int = 0
+    cut: int = 0
 
-    def record_cycle(self, n_drafted: int, n_accepted: int, n_emitted: int) -> None:
+    def record_cycle(self, n_drafted: int, n_accepted: int, n_emitted: int, forced: bool = False) -> None:
         self.cycles += 1
+        if forced:  # a grammar cycle: its own counters
+            self.forced += n_drafted
+            self.forced_accepted += n_accepted
+            self.generated += n_emitted
+            return
         self.drafted += n_drafted
         self.accepted += n_accepted
         self.generated += n_emitted

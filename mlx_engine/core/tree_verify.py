@@ -41,6 +41,7 @@ class Trees:
         self.engine = engine
         self._off: str | None | bool = False  # False: not decided yet
         self.last_path: list[int] = []  # the last cycle's accepted nodes (indices into its tree; traces, tests)
+        self.cut = 0  # the last cycle's nodes a grammar cut before the pass
 
     @property
     def off(self) -> str | None:
@@ -69,6 +70,7 @@ class Trees:
         if matcher is not None:  # the nodes the grammar forbids (and their subtrees) are cut before the pass
             tree, origin = legal_tree(tree, matcher)
         n = tree.size
+        self.cut = asked - n
         # the device starts on the drafter's work while Python builds the verify graph
         host.start(tree.tokens, *([] if tree.on_host else [tree.ancestors, tree.depths]))
         if profile:

@@ -16,6 +16,7 @@ the residual is p_i with x_i removed.
 
 import mlx.core as mx
 
+from ..grammar.masks import apply_bitmask
 from ..sampling import SamplingConfig, probabilities, process_logits, random_draws, sample
 
 
@@ -72,9 +73,12 @@ def accept_sampled(
     return _pack(n, tokens)
 
 
-def choose_row(logits, context, draft_tokens, draft_probs, cfg: SamplingConfig, key) -> mx.array:
-    """[n_accepted, t_0..t_k] for one row of a batch: the sampling chain, then the rule for its config."""
+def choose_row(logits, context, draft_tokens, draft_probs, cfg: SamplingConfig, key, masks=None) -> mx.array:
+    """[n_accepted, t_0..t_k] for one row of a batch: the sampling chain (a grammar's `masks` [k + 1, W]
+    applied after the logit processors), then the rule for its config."""
     logits = process_logits(logits, context, cfg)
+    if masks is not None:
+        logits = apply_bitmask(logits, masks)
     if cfg.greedy:
         return accept_greedy(logits, draft_tokens)
     return accept_sampled(probabilities(logits, cfg), draft_tokens, draft_probs, key)

@@ -55,8 +55,6 @@ class GrammarDrafter:
         self.primary = getattr(inner, "primary", getattr(inner, "name", None))
         self.members = dict(getattr(inner, "members", {}))  # the inner members' own policies (core/members.py)
         self.policy = ForcedRunPolicy()
-        self.forced_cycles = 0
-        self.forced_tokens = 0  # drafted by the grammar
         self._forced: list[int] | None = None  # this cycle's run, computed once per matcher state
         self._drafted = False  # the last proposal was the grammar's
 
@@ -90,8 +88,6 @@ class GrammarDrafter:
         self._drafted = bool(run)
         if run:
             run = run[:k]
-            self.forced_cycles += 1
-            self.forced_tokens += len(run)
             return Draft(mx.array(run, dtype=mx.int32), None, host_tokens=list(run))
         return self.inner.propose(k, sampling, key)
 
