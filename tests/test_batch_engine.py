@@ -285,3 +285,14 @@ def test_a_row_near_its_max_tokens_does_not_cut_the_others_drafts(llama):
     for i, (p, n, _) in reqs.items():
         assert got[i] == alone(llama, p, n)
     assert len(checked) > 10 and all(ks == [2] for ks in checked), checked
+
+
+def test_a_request_of_one_token_leaves_the_batch_and_the_batch_goes_on(llama):
+    """max_tokens 1 (as a stop token first): the row ends in the step that feeds its prompt's last token,
+    before its drafter is begun, and leaves with its prompt stored in the prefix tree (that leaving read the
+    row's hidden rows, which only a begun drafter had set: the step raised, failing every request of a
+    server's batch); the other row goes on."""
+    engine = BatchEngine(llama, NgramDrafter(), num_draft=2, max_batch=2)
+    got, done = run(engine, {"one": (PROMPTS[0], 1, {}), "other": (PROMPTS[3], 10, {})})
+    assert got == {"one": alone(llama, PROMPTS[0], 1), "other": alone(llama, PROMPTS[3], 10)}
+    assert done["one"][0] == "length" and engine.prefix_cache.match(PROMPTS[0]) == len(PROMPTS[0])
