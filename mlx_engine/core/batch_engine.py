@@ -300,7 +300,7 @@ class BatchEngine(BatchRows):
             if s.sampling.penalized:
                 context = mx.concatenate([mx.array(s.history[-s.sampling.repetition_context :]), d_tokens])
             outs.append(choose_row(logits[i, : ki + 1], context, d_tokens, d_probs, s.sampling, s.next_key(),
-                                   masks.get(i)))
+                                   masks.get(i), drafts[i].cut_probs if i in drafts else None))
         carried = [sp.captured for sp in spans.values() if sp.end < self.layer_count]
         if carried:
             host.start(*carried)  # (evaluated with the read below)

@@ -50,7 +50,10 @@ def cut_drafts(seqs, decoding: list[int], ks: list[int], drafts: dict, forced: d
             tokens, at = flat[at : at + ks[i]], at + ks[i]
             ks[i] = seqs[i].matcher.legal(tokens)
             on_host[i] = tokens[: ks[i]]
-            drafts[i] = first(drafts[i], ks[i])
+            d = drafts[i]
+            drafts[i] = first(d, ks[i])
+            if ks[i] < len(tokens) and d.probs is not None:  # the cut token's q (core/verify.py accept_sampled)
+                object.__setattr__(drafts[i], "cut_probs", d.probs[ks[i] : ks[i] + 1])
     for i in decoding:
         if seqs[i].matcher is not None and i not in on_host:
             on_host[i] = []
@@ -59,7 +62,7 @@ def cut_drafts(seqs, decoding: list[int], ks: list[int], drafts: dict, forced: d
 
 def first(d: Draft, n: int) -> Draft:
     """A draft's first n tokens (and probabilities), its count of real drafts kept."""
-    out = Draft(d.tokens[:n], d.probs[:n] if d.probs is not None else None)
+    out = Draft(d.tokens[:n], d.probs[:n] if d.probs is not None else None, cut_probs=d.cut_probs)
     object.__setattr__(out, "n_real", min(getattr(d, "n_real", n), n))
     return out
 

@@ -106,6 +106,6 @@ def padded(d: Draft | None, k: int, last: int) -> Draft:
     tokens = mx.full((k - n,), last, dtype=mx.int32)
     if d is not None:
         tokens = mx.concatenate([d.tokens.astype(mx.int32), tokens])
-    out = Draft(tokens, d.probs if d is not None else None)
+    out = Draft(tokens, d.probs if d is not None else None, cut_probs=d.cut_probs if d is not None else None)
     object.__setattr__(out, "n_real", min(getattr(d, "n_real", n), n) if d is not None else 0)
     return out

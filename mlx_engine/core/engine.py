@@ -160,11 +160,11 @@ class Engine:
         if masks is not None:
             logits = apply_bitmask(logits, masks)
         target = logits if cfg.greedy else probabilities(logits, cfg)
-        if self._fused_accept is not None:
+        if self._fused_accept is not None and draft.cut_probs is None:
             return self._fused(target, draft, cfg.greedy, key)
         if cfg.greedy:
             return accept_greedy(target, draft.tokens)
-        return accept_sampled(target, draft.tokens, draft.probs, key)
+        return accept_sampled(target, draft.tokens, draft.probs, key, draft.cut_probs)
 
     def _fused(self, target, draft: Draft, greedy: bool, key) -> mx.array:
         """The fused acceptance kernel (GPU): (n, next) -> the same packed layout as verify.py."""
@@ -349,8 +349,11 @@ class Engine:
         tokens read first: under a grammar a cycle reads the host twice (the drafts, then the verdict)."""
         tokens = draft.host_tokens if draft.host_tokens is not None else host.read(draft.tokens)
         n = self._matcher.legal(tokens)
-        probs = draft.probs[:n] if draft.probs is not None and n < len(tokens) else draft.probs
-        return Draft(draft.tokens[:n] if n < len(tokens) else draft.tokens, probs, list(tokens[:n]))
+        if n == len(tokens):
+            return Draft(draft.tokens, draft.probs, list(tokens))
+        probs = draft.probs
+        return Draft(draft.tokens[:n], probs[:n] if probs is not None else None, list(tokens[:n]),
+                     cut_probs=probs[n : n + 1] if probs is not None else None)
 
     def _draft_masks(self, draft: Draft, logits: mx.array):
         """The grammar's mask of every verified row, built on the host while the device runs the verify pass;

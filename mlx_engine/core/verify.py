@@ -45,8 +45,14 @@ def accept_sampled(
     draft_tokens: mx.array,
     draft_probs: mx.array | None,
     key: mx.array,
+    cut_probs: mx.array | None = None,
 ) -> mx.array:
     """target_probs: [k+1, V]; draft_tokens: [k]; draft_probs: [k, V] or None (deterministic draft).
+
+    cut_probs [1, V]: the draft went on with a token the target cannot emit (a grammar forbids it; the draft
+    was cut before it), drafted from these probabilities. That token is rejected with certainty, so after
+    k accepts the next token is drawn from the residual norm(max(0, p_k - cut_probs)), as the uncut draft
+    would have drawn it, not from p_k (which would skew the output by P(cut) (p_k - residual)).
 
     Returns [k+2] (see module doc). The random draws are `random_draws(key, k)`.
     """
@@ -61,7 +67,8 @@ def accept_sampled(
         residual = mx.maximum(target_probs[:k] - draft_probs, 0.0)
     n = accepted_prefix(uniforms * q_draft < p_draft)  # u < p/q without dividing by q
 
-    rows = mx.concatenate([residual, target_probs[k:]], axis=0)  # row i: where to sample after i accepts
+    last = target_probs[k:] if cut_probs is None else mx.maximum(target_probs[k:] - cut_probs, 0.0)
+    rows = mx.concatenate([residual, last], axis=0)  # row i: where to sample after i accepts
     row = mx.take(rows, n, axis=0)
     mass = row.sum()
     row = mx.where(mass > 0, row, mx.take(target_probs, n, axis=0))
@@ -73,12 +80,13 @@ def accept_sampled(
     return _pack(n, tokens)
 
 
-def choose_row(logits, context, draft_tokens, draft_probs, cfg: SamplingConfig, key, masks=None) -> mx.array:
+def choose_row(logits, context, draft_tokens, draft_probs, cfg: SamplingConfig, key, masks=None,
+               cut_probs=None) -> mx.array:
     """[n_accepted, t_0..t_k] for one row of a batch: the sampling chain (a grammar's `masks` [k + 1, W]
-    applied after the logit processors), then the rule for its config."""
+    applied after the logit processors), then the rule for its config (`cut_probs`: accept_sampled's)."""
     logits = process_logits(logits, context, cfg)
     if masks is not None:
         logits = apply_bitmask(logits, masks)
     if cfg.greedy:
         return accept_greedy(logits, draft_tokens)
-    return accept_sampled(probabilities(logits, cfg), draft_tokens, draft_probs, key)
+    return accept_sampled(probabilities(logits, cfg), draft_tokens, draft_probs, key, cut_probs)

@@ -20,6 +20,9 @@ class Draft:
     tokens: mx.array  # [k] int32, lazy
     probs: mx.array | None  # [k, V] after the sampler chain; None = deterministic (greedy / n-gram)
     host_tokens: list[int] | None = None  # set when the drafter already holds them on the host
+    # a draft cut before a token a grammar forbids: the probabilities that token was drafted from ([1, V]),
+    # so the acceptance rule rejects it as the uncut draft would have (core/verify.py accept_sampled)
+    cut_probs: mx.array | None = None
 
 
 @dataclass(frozen=True)
