@@ -186,6 +186,12 @@ MUTANTS = [
            "self.opt = opt",
            ("tests/test_train_mtp.py", "-k", "fit_minutes_ends"),
            "--fit-minutes swaps the schedule but the compiled train step keeps updating with the old one"),
+    Mutant("tree-hit-whole-prompt", "mlx_engine/core/held_cache.py",
+           "hit = tree.lookup(prompt[:-1])",
+           "hit = tree.lookup(prompt)",
+           ("tests/test_long_prompt.py", "-k", "whole"),
+           "a prompt the prefix tree holds whole is taken from it whole: its last token is fed again on top of "
+           "its own entry"),
 ]
 
 

@@ -12,6 +12,7 @@ from mlx_engine.core.context import ContextLengthError
 from mlx_engine.core.engine import Engine, GenerationConfig
 from mlx_engine.drafters.mtp import load_mtp_drafter
 from mlx_engine.drafters.ngram import NgramDrafter
+from mlx_engine.sampling import SamplingConfig
 from mlx_engine.target.model import Target
 from test_mtp_helpers import load_hf, make
 
@@ -157,6 +158,33 @@ def test_prefix_tree_serves_the_next_turn_with_speculation_and_batching(drafter,
     assert reused >= len(turn1) + len(out["t1"]) - 1
     assert_greedy_equal(model, turn2, out["t2"], alone(model, turn2, 16))
     assert engine.prefix_cache.status()["hits"] >= 1
+
+
+@pytest.mark.cpu_exact  # the hit row beside another equals the request alone: rows' float arithmetic independent
+@pytest.mark.parametrize("sampling", [SamplingConfig(), SamplingConfig(temperature=0.9, top_p=0.95)],
+                         ids=["greedy", "sampled"])
+def test_a_prompt_the_tree_holds_whole_still_feeds_its_last_token(llama, sampling):
+    """The prefix tree holds the whole prompt, its last token included (the same prompt again, or one ending
+    inside an earlier answer), while the batch's rows hold another conversation: the row takes the first
+    len(prompt) - 1 tokens from the tree and feeds the last for its first token; its output equals the
+    request run cold, greedy and sampled with a seed."""
+    engine = BatchEngine(llama, NgramDrafter(), num_draft=2)
+    a = LONG[:40]
+    out, done = {}, {}
+    engine.add("a", a, 16)
+    drain(engine, out, done)  # the tree now holds a + out["a"][:-1]
+    for n, prompt in enumerate((a, a + out["a"][:10])):
+        assert engine.prefix_cache.match(prompt) == len(prompt)
+        engine.add(f"other{n}", SHORT + [n], 30)  # the batch's own rows hold another conversation
+        engine.step()
+        engine.add(n, prompt, 16, sampling=sampling, seed=7)
+        drain(engine, out, done)
+        assert done[n].stats["reused_prompt_tokens"] == len(prompt) - 1
+        cold, cold_done = {}, {}
+        fresh = BatchEngine(llama, NgramDrafter(), num_draft=2, prefix_cache_bytes=0)
+        fresh.add(n, prompt, 16, sampling=sampling, seed=7)
+        drain(fresh, cold, cold_done)
+        assert out[n] == cold[n] and cold_done[n].stats["reused_prompt_tokens"] == 0
 
 
 def test_the_same_long_prompt_twice_at_once_prefills_once(llama):

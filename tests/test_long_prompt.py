@@ -8,6 +8,7 @@ import pytest
 import tiny_models
 from mlx_engine import Engine, GenerationConfig, NgramDrafter
 from mlx_engine.core.context import ContextLengthError
+from mlx_engine.sampling import SamplingConfig
 from mlx_engine.target.model import Target
 from reference import mlx_lm_greedy
 from test_greedy_equality import target
@@ -150,6 +151,28 @@ def test_prefix_tree_serves_a_conversation_after_another_and_stays_exact(drafter
     cold = Engine(model, make_drafter())
     assert tokens_of(cold, a2, num_draft=3) == out and cold.stats.reused_tokens == 0
     assert tree.status()["hits"] >= 1
+
+
+@pytest.mark.parametrize("sampling", [SamplingConfig(), SamplingConfig(temperature=0.9, top_p=0.95)],
+                         ids=["greedy", "sampled"])
+def test_a_prompt_the_tree_holds_whole_still_feeds_its_last_token(sampling):
+    """The tree holds the whole prompt, its last token included (the same prompt again, or one ending
+    inside an earlier answer), while the engine's own cache holds another conversation: only the first
+    len(prompt) - 1 tokens come from the tree, the last is fed for its logits (taken from the tree too, it
+    would be fed a second time on top of its own entry), and the output equals a cold run's, greedy and
+    sampled with a seed."""
+    model = target("llama")
+    engine = Engine(model, NgramDrafter(), prefix_cache_bytes=1 << 30)
+    a, b = LONG[:40], LONG[200:240]
+    out_a = tokens_of(engine, a, num_draft=3)
+    for prompt in (a, a + out_a[:10]):  # the tree holds a + out_a[:-1]: all of either
+        tokens_of(engine, b, num_draft=3)  # the engine's own cache now holds b
+        assert engine.held.prefix_cache.match(prompt) == len(prompt)
+        got = tokens_of(engine, prompt, num_draft=3, sampling=sampling, seed=7)
+        assert engine.stats.reused_tokens == len(prompt) - 1
+        cold = Engine(model, NgramDrafter())
+        assert got == tokens_of(cold, prompt, num_draft=3, sampling=sampling, seed=7)
+        assert cold.stats.reused_tokens == 0
 
 
 def test_prefix_tree_is_refused_by_name_for_a_recurrent_cache():
