@@ -192,6 +192,12 @@ MUTANTS = [
            ("tests/test_long_prompt.py", "-k", "whole"),
            "a prompt the prefix tree holds whole is taken from it whole: its last token is fed again on top of "
            "its own entry"),
+    Mutant("row-evidence-position", "mlx_engine/core/batch_engine.py",
+           "[self.seqs[i].evidence for i in decoding], timed=not reshaped",
+           "[self.seqs[i].evidence for i in range(len(decoding))], timed=not reshaped",
+           ("tests/test_batch_engine.py", "-k", "evidence"),
+           "a decoding row's verdicts go to the acceptance evidence of the batch row at its place among the "
+           "decoding rows (a row feeding its prompt before it gets them)"),
 ]
 
 

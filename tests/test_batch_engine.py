@@ -296,3 +296,31 @@ def test_a_request_of_one_token_leaves_the_batch_and_the_batch_goes_on(llama):
     got, done = run(engine, {"one": (PROMPTS[0], 1, {}), "other": (PROMPTS[3], 10, {})})
     assert got == {"one": alone(llama, PROMPTS[0], 1), "other": alone(llama, PROMPTS[3], 10)}
     assert done["one"][0] == "length" and engine.prefix_cache.match(PROMPTS[0]) == len(PROMPTS[0])
+
+
+def test_a_row_s_acceptance_evidence_is_its_own_beside_a_row_feeding_its_prompt(llama):
+    """Per-row acceptance evidence (the batch policy's RowEvidence, which turns a row's drafting off when its
+    own drafts fail) counts that row's own verdicts, also when a row still feeding its prompt sits before
+    it in the batch (the decoding rows are a subset of the batch's rows: the evidence is theirs, not that
+    of the rows at the same positions). With no fading, a row's tries at the first draft position are its
+    drafting steps and its hits its accepted drafts (one draft a step here)."""
+    from mlx_engine.core.batch_policy import BatchPolicy
+
+    long = (PROMPTS[4] * 40)[:400]  # at most 8 tokens a step: still feeding after the 25 steps below
+    engine = BatchEngine(llama, NgramDrafter(min_ngram=1), num_draft="auto", max_batch=2, max_draft=1,
+                         prefill_step=8)
+    assert isinstance(engine.policy, BatchPolicy) and engine.policy.per_row_drafting
+    engine.policy.row_window = float("inf")  # no fading: the counts are plain sums
+    engine.add("feeding", long, 4)
+    engine.step()
+    engine.add("decoding", PROMPTS[0], 60)
+    checked = 0
+    for _ in range(25):  # the decoding row emits at most 2 tokens a step: it runs throughout
+        engine.step()
+        first, second = engine.seqs
+        assert first.id == "feeding" and second.id == "decoding" and engine.prefills.feeding(first) is not None
+        assert first.evidence.tries == [] and first.drafted == 0
+        ev = second.evidence
+        assert (ev.tries[:1], ev.hits[:1]) == (([second.verifies], [second.accepted]) if second.verifies else ([], []))
+        checked += second.verifies > 0
+    assert checked >= 5 and second.accepted > 0
