@@ -198,6 +198,16 @@ MUTANTS = [
            ("tests/test_batch_engine.py", "-k", "evidence"),
            "a decoding row's verdicts go to the acceptance evidence of the batch row at its place among the "
            "decoding rows (a row feeding its prompt before it gets them)"),
+    Mutant("stop-token-keeps-row", "mlx_engine/core/batch_engine.py",
+           "            if reason:\n                finished.append(i)",
+           "            if reason == \"length\":\n                finished.append(i)",
+           ("tests/test_batch_engine.py", "-k", "stop_token"),
+           "a row ended by a stop token stays in the batch and decodes on"),
+    Mutant("stop-string-keeps-row", "mlx_engine/serve/batch.py",
+           "end it now\n                self.engine.cancel(result.seq_id)\n",
+           "end it now\n",
+           ("tests/test_serve_batch.py", "-k", "frees_its_row"),
+           "a stop string ends the client's text but its row is not cancelled: it decodes on to max_tokens unseen"),
 ]
 
 

@@ -324,3 +324,28 @@ def test_a_row_s_acceptance_evidence_is_its_own_beside_a_row_feeding_its_prompt(
         assert (ev.tries[:1], ev.hits[:1]) == (([second.verifies], [second.accepted]) if second.verifies else ([], []))
         checked += second.verifies > 0
     assert checked >= 5 and second.accepted > 0
+
+
+@pytest.mark.parametrize("num_draft", [0, 2])
+def test_a_stop_token_frees_its_row_in_the_step_that_emits_it(llama, num_draft):
+    """A row whose stop token comes out (as its first token, or mid-answer, in a verify pass or a plain
+    step) leaves the batch in the step that emits it: that step's output ends it, the row is gone from the
+    batch and its cache, and no later step computes it (until max_tokens it would decode on unseen)."""
+    whole = alone(llama, PROMPTS[0], 12)
+    for stop in (whole[0], whole[5]):  # (whole[5] first occurs there)
+        want = whole[: whole.index(stop) + 1]
+        engine = BatchEngine(llama, NgramDrafter(min_ngram=1), num_draft=num_draft, max_batch=2)
+        engine.add("other", PROMPTS[3], 40)
+        engine.add("stops", PROMPTS[0], 60, stop_tokens=frozenset({stop}))
+        got, ended, steps = [], None, 0
+        while ended is None:
+            outs = engine.step()
+            steps += 1
+            assert steps < 60
+            for o in outs:
+                if o.seq_id == "stops":
+                    got += o.tokens
+                    ended = o.finished
+        assert (got, ended) == (want, "stop")
+        assert [s.id for s in engine.seqs] == ["other"] and engine.cache[0].keys.shape[0] == 1
+        assert all(o.seq_id == "other" for o in engine.step())

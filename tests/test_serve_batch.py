@@ -113,6 +113,27 @@ def test_stop_string_ends_one_sequence_of_the_batch(server):
     assert res[0] == (full[: full.index(" 12")], "stop")
 
 
+def test_a_stop_string_frees_its_row_at_the_next_step(server, monkeypatch):
+    """The stop string is found in the text, so the engine is told at once (cancel): the row leaves at the
+    next step, not after decoding on to max_tokens unseen (the client's text would be the same either way:
+    only the engine's own ending of the row tells)."""
+    client, engine = server.client(), server.service.worker.engine
+    prompt = "Count: 1, 2, 3, 4, 5, 6, 7, 8, 9,"
+    assert " 12" in client.completions.create(model=server.model, prompt=prompt, max_tokens=16).choices[0].text
+    step, ends = engine.step, []
+
+    def step_and_record():
+        outs = step()
+        ends.extend((o.finished, o.stats["completion_tokens"]) for o in outs if o.finished)
+        return outs
+
+    monkeypatch.setattr(engine, "step", step_and_record)
+    r = client.completions.create(model=server.model, prompt=prompt, max_tokens=64, stop=[" 12"])
+    assert r.choices[0].finish_reason == "stop"
+    # the stop string lies within 16 tokens; one more step adds at most the draft length (8 at most) + 1
+    assert len(ends) == 1 and ends[0][0] == "cancelled" and ends[0][1] <= 16 + 9, ends
+
+
 def test_per_request_num_draft_caps_the_request_s_own_row(server):
     """num_draft per request in a batch: 0 turns drafting off for that request alone (nothing drafted, the
     same text), while a concurrent request keeps the server's setting; a bad value is refused (400)."""
