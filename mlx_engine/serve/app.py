@@ -67,7 +67,8 @@ def create_app(service: Service) -> FastAPI:
 
     async def respond(http: HTTPRequest, chat: bool):
         arrived = time.perf_counter()
-        body, prompt = await take_request(http, chat, service.tokenizer, service.vocab_size, service.max_body_bytes)
+        body, prompt, grammar = await take_request(http, chat, service.tokenizer, service.vocab_size,
+                                                   service.max_body_bytes)
         if body.model != service.model_id:
             raise APIError(404, f"the model '{body.model}' does not exist; this server serves '{service.model_id}'",
                            param="model", code="model_not_found")
@@ -92,7 +93,7 @@ def create_app(service: Service) -> FastAPI:
         except ValueError as e:
             raise APIError(400, str(e)) from None
         seed = body.seed if body.seed is not None else int.from_bytes(uuid.uuid4().bytes[:4], "little")
-        job = Job(Request(prompt, max_tokens, sampling, seed, body.stop, body.num_draft), arrived=arrived)
+        job = Job(Request(prompt, max_tokens, sampling, seed, body.stop, body.num_draft, grammar), arrived=arrived)
         job.name = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         if not service.worker.try_submit(job):
             raise APIError(503, f"the server is at capacity ({service.worker.max_queue} requests in); retry later",

@@ -71,7 +71,8 @@ class BatchWorker(WorkerBase):
                 return
             try:
                 # a request's num_draft caps its own row's k; the batch's policy chooses within it
-                self.engine.add(job.id, req.prompt, req.max_tokens, req.sampling, req.seed, self.eos, req.num_draft)
+                self.engine.add(job.id, req.prompt, req.max_tokens, req.sampling, req.seed, self.eos, req.num_draft,
+                                grammar=req.grammar)
             except Exception as e:  # this request's failure: the others (running and queued) go on
                 self.fail(job, e)
                 continue
@@ -108,6 +109,7 @@ class BatchWorker(WorkerBase):
             # per verify pass that drafted (plain steps of the batch are not verify passes): accepted + 1
             "tokens_per_verify": round((s.get("accepted", 0) + passes) / passes, 4) if passes else 0.0,
             "decode_tps": round(s.get("decode_tokens_per_second", 0.0), 2),
+            "forced": s.get("forced", 0), "forced_accepted": s.get("forced_accepted", 0),
         }
         out.finish(spec, reason)
         del self.active[result.seq_id]

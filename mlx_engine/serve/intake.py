@@ -14,6 +14,8 @@ import json
 from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 
+from ..grammar import GrammarError, grammar_tokenizer
+from ..grammar.requests import from_response_format
 from .errors import APIError, error_response, invalid_request
 from .schemas import ChatRequest, CompletionRequest
 
@@ -109,22 +111,36 @@ def encode_chat(tokenizer, messages) -> list[int]:
     return list(tokenizer.encode(text))
 
 
+def grammar_of(body, tokenizer, vocab_size: int):
+    """The request's grammar (mlx_engine/grammar), compiled against the model's tokenizer, or None; a
+    response_format the grammar engine cannot compile is a 400 naming what."""
+    if body.response_format.get("type", "text") == "text":
+        return None
+    try:
+        eos = list(getattr(tokenizer, "eos_token_ids", None) or ())
+        return from_response_format(body.response_format, grammar_tokenizer(tokenizer, vocab_size, eos))
+    except (GrammarError, ValueError) as e:
+        raise APIError(400, f"response_format: {e}", param="response_format") from None
+
+
 def _chat(raw: bytes, tokenizer, vocab_size: int):
     body = parse(raw, ChatRequest)
-    return body, encode_chat(tokenizer, body.messages)
+    return body, encode_chat(tokenizer, body.messages), grammar_of(body, tokenizer, vocab_size)
 
 
 def _completion(raw: bytes, tokenizer, vocab_size: int):
     body = parse(raw, CompletionRequest)
+    grammar = grammar_of(body, tokenizer, vocab_size)
     if isinstance(body.prompt, str):
-        return body, list(tokenizer.encode(body.prompt))
+        return body, list(tokenizer.encode(body.prompt)), grammar
     prompt = list(body.prompt)
     if min(prompt) < 0 or max(prompt) >= vocab_size:
         raise APIError(400, f"prompt token ids must be in [0, {vocab_size})", param="prompt")
-    return body, prompt
+    return body, prompt, grammar
 
 
 async def take_request(http, chat: bool, tokenizer, vocab_size: int, limit: int):
-    """-> (validated body, prompt token ids); the parsing and tokenizing off the event loop."""
+    """-> (validated body, prompt token ids, grammar or None); the parsing, tokenizing and grammar compiling
+    off the event loop."""
     raw = await read_body(http, limit)
     return await run_in_threadpool(_chat if chat else _completion, raw, tokenizer, vocab_size)

@@ -25,6 +25,7 @@ class Request:
     seed: int = 0
     stop: list[str] = field(default_factory=list)
     num_draft: int | str | None = None  # None: the server's setting
+    grammar: object = None  # mlx_engine.grammar.Grammar (response_format), or None
 
 
 @dataclass(frozen=True)
@@ -128,8 +129,10 @@ class Output:
         self.job.put(Done(reason, len(self.job.request.prompt), self.generated, speculation))
 
 
-def speculation(drafted: int, accepted: int, cycles: int, generated: int, decode_time: float, drafter: str | None) -> dict:
-    """The extra `speculation` field of a response: what drafting did for this request."""
+def speculation(drafted: int, accepted: int, cycles: int, generated: int, decode_time: float, drafter: str | None,
+                forced: int = 0, forced_accepted: int = 0) -> dict:
+    """The extra `speculation` field of a response: what drafting did for this request (`forced`: tokens its
+    grammar drafted, counted apart from the drafter's)."""
     return {
         "drafter": drafter or "none",
         "drafted": drafted,
@@ -138,4 +141,6 @@ def speculation(drafted: int, accepted: int, cycles: int, generated: int, decode
         "verify_passes": cycles,
         "tokens_per_verify": round((generated - 1) / cycles, 4) if cycles else 0.0,
         "decode_tps": round((generated - 1) / decode_time, 2) if decode_time > 0 else 0.0,
+        "forced": forced,
+        "forced_accepted": forced_accepted,
     }

@@ -1,10 +1,12 @@
 """The request bodies of /v1/chat/completions and /v1/completions (pydantic), and what they ask of the
 engine. Every field is checked here, before anything is queued: JSON types as OpenAI documents them
 (strict: `true` is not a number, `2.0` is not an integer), ranges, and `null` wherever OpenAI allows it
-(null = the field's default). Fields this server cannot honour (`tools`, `response_format` other than
-text, `n > 1`, `logprobs`, penalties other than `repetition_penalty`, ...) are refused with a 400 naming
-them instead of being ignored; fields with no effect on the output (`user`, `metadata`, ...) are ignored.
-Sampling extras beyond OpenAI's API: `top_k`, `min_p`, `repetition_penalty`, `num_draft`. The default
+(null = the field's default). Fields this server cannot honour (`tools`, `n > 1`, `logprobs`, penalties
+other than `repetition_penalty`, ...) are refused with a 400 naming them instead of being ignored; fields
+with no effect on the output (`user`, `metadata`, ...) are ignored. `response_format` (text, json_object,
+json_schema; regex and lark as extensions, on completions too) is checked for its shape here and compiled
+against the model's tokenizer in intake.py. Sampling extras beyond OpenAI's API: `top_k`, `min_p`,
+`repetition_penalty`, `num_draft`. The default
 temperature is 0 (greedy), as in mlx-lm's server: a local server's default should be the reproducible answer."""
 
 from __future__ import annotations
@@ -32,6 +34,9 @@ class Unsupported(ValueError):
     pass
 
 
+FORMATS = ("text", "json_object", "json_schema", "regex", "lark")  # response_format types (grammar/requests.py)
+
+
 class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
 
@@ -53,6 +58,7 @@ class _Body(BaseModel):
     stream_options: dict = Field(default_factory=dict)
     # per request: k >= 0 or auto (default: the server's); in continuous batching, a ceiling on the row's own k
     num_draft: Union[int, Literal["auto"], None] = None
+    response_format: dict = Field(default_factory=lambda: {"type": "text"})
 
     @model_validator(mode="before")
     @classmethod
@@ -107,6 +113,20 @@ class _Body(BaseModel):
             raise Unsupported("logit_bias is not supported")
         return v
 
+    @field_validator("response_format")
+    @classmethod
+    def _format(cls, v):
+        kind = v.get("type")
+        if kind not in FORMATS:
+            raise Unsupported(f"response_format type {kind!r} is not supported: one of {', '.join(FORMATS)}")
+        if kind == "json_schema":
+            spec = v.get("json_schema")
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+                raise ValueError("response_format json_schema needs a 'json_schema' object whose 'schema' is an object")
+        if kind in ("regex", "lark") and not isinstance(v.get(kind), str):
+            raise ValueError(f"response_format {kind} needs a '{kind}' string")
+        return v
+
     @field_validator("stream_options")
     @classmethod
     def _stream_options(cls, v):
@@ -159,7 +179,6 @@ class ChatRequest(_Body):
     functions: list = Field(default_factory=list)
     tool_choice: Union[str, dict] = "none"
     function_call: Union[str, dict] = "none"
-    response_format: dict = Field(default_factory=lambda: {"type": "text"})
     logprobs: bool = False
     top_logprobs: int = Field(default=0, ge=0, le=20)
 
@@ -175,13 +194,6 @@ class ChatRequest(_Body):
     def _no_tool_choice(cls, v, info):
         if v not in ("none", "auto"):  # "auto" with no tools means none
             raise Unsupported(f"{info.field_name} is not supported by this server (no function calling)")
-        return v
-
-    @field_validator("response_format")
-    @classmethod
-    def _text_format(cls, v):
-        if v.get("type") != "text":
-            raise Unsupported(f"response_format {v.get('type')!r} is not supported: only {{'type': 'text'}}")
         return v
 
     @field_validator("logprobs", "top_logprobs")

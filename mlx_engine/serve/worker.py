@@ -171,7 +171,7 @@ class FairQueueWorker(WorkerBase):
         out = self.output(job)
         # progress per prefill chunk; a client that left stops the prefill at the next chunk
         cfg = GenerationConfig(max_tokens=req.max_tokens, num_draft=num_draft, sampling=req.sampling, seed=req.seed,
-                               stop_tokens=self.eos, should_stop=lambda: job.cancelled,
+                               stop_tokens=self.eos, should_stop=lambda: job.cancelled, grammar=req.grammar,
                                on_prefill=lambda done, total: self.progress.update(job.name, done, total))
         gen = engine.generate(req.prompt, cfg)
         try:
@@ -185,5 +185,6 @@ class FairQueueWorker(WorkerBase):
         cancelled = job.cancelled and out.finish_reason is None  # left before its end (mid-prefill included)
         s = engine.stats
         drafter = engine.drafter.name if engine.drafter is not None else None
-        spec = speculation(s.drafted, s.accepted, s.cycles, s.generated, s.decode_time, drafter)
+        spec = speculation(s.drafted, s.accepted, s.cycles, s.generated, s.decode_time, drafter, s.forced,
+                           s.forced_accepted)
         out.finish(spec, "cancelled" if cancelled else None)

@@ -1,0 +1,97 @@
+"""Grammars from what users send: an OpenAI `response_format`, a tool call the request forces, the CLI's
+`--grammar`. Each compiles against the model's tokenizer or raises GrammarError naming what is wrong.
+
+Tool calls are written in the generic form a template without a tool section gets (README, "Structured
+output"): `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`, the arguments held to the
+tool's `parameters` schema, several calls separated by a newline when parallel calls are allowed. Where
+the tokenizer holds a marker as one special token (Qwen's `<tool_call>`), the grammar names that token, so
+the model writes it as it was trained to, not spelled out in pieces.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import llguidance
+
+from .spec import JSON_OPTIONS, Grammar, GrammarError, _checked, json_object, json_schema, lark, regex
+
+CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
+
+
+def from_response_format(fmt: dict | None, tokenizer: llguidance.LLTokenizer) -> Grammar | None:
+    """OpenAI's response_format: text (None), json_object, json_schema {name, schema, strict}; and two
+    extensions, {"type": "regex", "regex": ...} and {"type": "lark", "lark": ...}."""
+    kind = (fmt or {}).get("type", "text")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return json_object(tokenizer)
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        if not isinstance(spec, dict) or "schema" not in spec:
+            raise GrammarError("response_format json_schema needs a 'json_schema' object with a 'schema'")
+        return json_schema(spec["schema"], tokenizer, spec.get("name"))
+    if kind in ("regex", "lark"):
+        text = fmt.get(kind)
+        if not isinstance(text, str) or not text:
+            raise GrammarError(f"response_format {kind} needs a '{kind}' string")
+        return regex(text, tokenizer) if kind == "regex" else lark(text, tokenizer)
+    raise GrammarError(f"response_format type {kind!r} is not supported: text, json_object, json_schema, regex, lark")
+
+
+def from_flag(value: str, tokenizer: llguidance.LLTokenizer) -> Grammar:
+    """The CLI's --grammar: `json` (any object), `json:FILE` (a JSON schema), `regex:PATTERN`, `lark:FILE`."""
+    kind, _, rest = value.partition(":")
+    if kind == "json" and not rest:
+        return json_object(tokenizer)
+    if kind == "regex" and rest:
+        return regex(rest, tokenizer)
+    if kind in ("json", "lark") and rest:
+        path = Path(rest).expanduser()
+        try:
+            text = path.read_text()
+        except OSError as e:
+            raise GrammarError(f"--grammar {kind}: cannot read {path}: {e.strerror}") from None
+        return json_schema(text, tokenizer, path.name) if kind == "json" else lark(text, tokenizer)
+    raise GrammarError(f"--grammar {value!r}: expected json, json:SCHEMA_FILE, regex:PATTERN or lark:FILE")
+
+
+def _literal(text: str, tokenizer: llguidance.LLTokenizer) -> str:
+    """A Lark item for `text`: the special token when the tokenizer has it as one, else the string."""
+    ids = tokenizer.tokenize_str(text)
+    if len(ids) == 1 and tokenizer.is_special_token(ids[0]):
+        return f"<[{ids[0]}]>"
+    return json.dumps(text)
+
+
+def tool_call_schema(tool: dict) -> dict:
+    """The JSON of one call of an OpenAI function tool: {"name": its name, "arguments": its parameters}."""
+    fn = tool.get("function", tool)
+    name = fn.get("name")
+    if not isinstance(name, str) or not name:
+        raise GrammarError("a tool has no function name")
+    params = fn.get("parameters") or {"type": "object", "properties": {}}
+    if not isinstance(params, dict):
+        raise GrammarError(f"tool {name!r}: parameters must be a JSON schema object")
+    return {"type": "object", "properties": {"name": {"const": name}, "arguments": params},
+            "required": ["name", "arguments"], "additionalProperties": False}
+
+
+def tool_calls(tools: list[dict], tokenizer: llguidance.LLTokenizer, parallel: bool = True) -> Grammar:
+    """One call (or several, newline-separated, when `parallel`) of one of `tools`, in the generic form;
+    nothing else. For tool_choice "required" (all tools) or a named function (that one)."""
+    if not tools:
+        raise GrammarError("tool_choice forces a call but no tools are given")
+    schemas = [tool_call_schema(t) for t in tools]
+    schema = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
+    body = json.dumps({**schema, "x-guidance": JSON_OPTIONS})
+    call = f'{_literal(CALL_OPEN, tokenizer)} "\\n" %json {body} "\\n" {_literal(CALL_CLOSE, tokenizer)}'
+    start = "start: call (\"\\n\" call)*" if parallel else "start: call"
+    names = ", ".join(repr(s["properties"]["name"]["const"]) for s in schemas)
+    try:
+        source = llguidance.LLMatcher.grammar_from_lark(f"{start}\ncall: {call}\n")
+    except ValueError as e:
+        raise GrammarError(f"the tool call of {names} cannot be compiled: {e}") from None
+    return _checked(source, tokenizer, f"a call of {names}")
