@@ -105,6 +105,9 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
     src.add_argument("--prompt-tokens", help="prompt as comma-separated token ids, e.g. 1,2,3")
     p.add_argument("--no-chat-template", action="store_true", help="encode --prompt as is, without the chat template")
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence tokens")
+    p.add_argument("--grammar", metavar="SPEC",
+                   help="structured output: json (any JSON object), json:SCHEMA_FILE, regex:PATTERN or lark:FILE; "
+                        "every token is one the grammar allows, its forced tokens are drafted (README)")
     p.add_argument("--json", action="store_true", help="print one JSON object: tokens, text, stats")
     p.add_argument("--trace", action="store_true", help="with --json: add one entry per verify cycle")
     p.add_argument("--prefill-step", type=count(1), default=512,
@@ -195,6 +198,7 @@ def build(args):
     config = GenerationConfig(
         max_tokens=args.max_tokens, num_draft=args.num_draft, sampling=sampling, seed=args.seed,
         stop_tokens=stop, profile_every=8 if args.json else 0, on_prefill=PrefillBar(), prefill_step=args.prefill_step,
+        grammar=grammar_of(args, loaded),
     )
     try:
         make_engine = getattr(loaded, "engine_class", Engine)  # sharded: a DistributedEngine over its group
@@ -207,6 +211,24 @@ def build(args):
     except ValueError as e:  # a KV quantization the model cannot take, a budget it does not fit
         raise UsageError(str(e)) from None
     return loaded, engine, prompt, config
+
+
+def grammar_of(args, loaded: LoadedModel):
+    """--grammar compiled against the model's tokenizer (None without the flag)."""
+    if getattr(args, "grammar", None) is None:
+        return None
+    if args.ignore_eos:
+        raise UsageError("--grammar ends the answer where its text is complete: drop --ignore-eos")
+    if getattr(args, "distributed", None):
+        raise UsageError("--grammar is not supported with --distributed yet")
+    from .grammar import GrammarError, grammar_tokenizer
+    from .grammar.requests import from_flag
+
+    try:
+        eos = list(getattr(loaded.tokenizer, "eos_token_ids", None) or ())
+        return from_flag(args.grammar, grammar_tokenizer(loaded.tokenizer, loaded.vocab_size, eos))
+    except (GrammarError, ValueError) as e:
+        raise UsageError(f"--grammar: {e}" if not str(e).startswith("--grammar") else str(e)) from None
 
 
 def load_within_budget(model: str | None, max_memory: int | None) -> LoadedModel:
@@ -278,6 +300,8 @@ def run_generate(args) -> int:
         per_pos = " ".join(f"{a:.2f}" for a in stats.acceptance_per_position)
         drafts = (f"acceptance {stats.acceptance_rate:.2f} ({per_pos}) | {stats.mean_accepted_length:.2f} tokens/verify"
                   if stats.drafted else "no drafts" + (" (plain decoding)" if engine.drafter is None else ""))
+        if stats.forced:  # the grammar's drafts (forced text), apart from the drafter's
+            drafts += f" | grammar drafted {stats.forced} ({stats.forced_accepted} accepted)"
         print(
             f"\n[{stats.generated} tokens | prompt {stats.prompt_tps:.1f} tok/s | decode {stats.decode_tps:.1f} tok/s | "
             f"{drafts} | peak {stats.peak_memory / 2**20:.0f} MiB]",

@@ -96,6 +96,10 @@ def test_text_prompt_with_chat_template(dirs, capsys):
         (["--model", "{target}", "--prompt", "hi", "--max-tokens", "0"], "--max-tokens must be >= 1"),
         (["--model", "{target}", "--prompt", "hi", "--top-p", "0"], "top-p must be in"),
         (["--model", "{target}", "--prompt-tokens", "1,99999"], "token ids must be in"),
+        (["--model", "{target}", "--prompt", "hi", "--grammar", "regex:a(b"], "--grammar: regex 'a(b' cannot be compiled"),
+        (["--model", "{target}", "--prompt", "hi", "--grammar", "xml"], "expected json, json:SCHEMA_FILE"),
+        (["--model", "{target}", "--prompt", "hi", "--grammar", "json:/no/such.json"], "cannot read /no/such.json"),
+        (["--model", "{target}", "--prompt", "hi", "--grammar", "json", "--ignore-eos"], "drop --ignore-eos"),
     ],
 )
 def test_bad_input_gives_clear_error(dirs, capsys, argv, message):
@@ -104,6 +108,23 @@ def test_bad_input_gives_clear_error(dirs, capsys, argv, message):
     err = capsys.readouterr().err
     assert err.startswith("error: ") and message in err
     assert "Traceback" not in err
+
+
+def test_grammar_flag_answers_valid_json_with_the_mtp_head(capsys, tmp_path):
+    """The embedded model: --grammar json:SCHEMA with its MTP head drafting, the same tokens without it."""
+    import jsonschema
+
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 40},
+                                               "age": {"type": "integer"}}, "required": ["name", "age"],
+              "additionalProperties": False}
+    (tmp_path / "person.json").write_text(json.dumps(schema))
+    common = ["--prompt", "Ada Lovelace was 36. Give her name and age as JSON.", "--grammar",
+              f"json:{tmp_path / 'person.json'}", "--max-tokens", "48"]
+    spec = run_json(capsys, *common, "--drafter", "mtp")
+    plain = run_json(capsys, *common)
+    assert spec["tokens"] == plain["tokens"]
+    jsonschema.validate(json.loads(spec["text"]), schema)
+    assert spec["stats"]["forced"] > 0 and plain["stats"]["forced"] > 0  # the grammar drafts under both
 
 
 def test_draft_vocab_subset_is_lossless(dirs, capsys, tmp_path):

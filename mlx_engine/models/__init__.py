@@ -30,6 +30,12 @@ class LoadedModel:
         """The model's context window (None when its config names none)."""
         return context_length(self.config)
 
+    @property
+    def vocab_size(self) -> int:
+        """The model's output size (its config's; the tokenizer's when the config names none)."""
+        return int((self.config.get("text_config") or self.config).get("vocab_size", 0)) or len(
+            self.tokenizer.get_vocab())
+
 
 def _looks_like_repo_id(s: str) -> bool:
     parts = s.split("/")

@@ -135,9 +135,7 @@ def build_service(args):
     name = Path(str(loaded.path)).name
     if name.endswith(".gguf"):
         name = name[: -len(".gguf")]
-    engine_vocab = int((loaded.config.get("text_config") or loaded.config).get("vocab_size", 0)) or len(
-        loaded.tokenizer.get_vocab())
-    service = Service(name, loaded.tokenizer, context_length(loaded.config), engine_vocab, worker, args.max_tokens,
+    service = Service(name, loaded.tokenizer, context_length(loaded.config), loaded.vocab_size, worker, args.max_tokens,
                       max_body_bytes=args.max_body_bytes, api_key=args.api_key, memory=budget)
     return service, kind
 
