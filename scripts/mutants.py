@@ -43,8 +43,8 @@ class Mutant:
 
 MUTANTS = [
     Mutant("bonus-row", "mlx_engine/core/verify.py",
-           "rows = mx.concatenate([residual, target_probs[k:]], axis=0)",
-           "rows = mx.concatenate([residual, target_probs[max(k - 1, 0) : max(k, 1)]], axis=0)",
+           "last = target_probs[k:] if cut_probs is None",
+           "last = target_probs[max(k - 1, 0) : max(k, 1)] if cut_probs is None",
            (DIST, "-k", "engine"), "the bonus token after a full accept is drawn from p[k-1] instead of p[k]"),
     Mutant("top-k", "mlx_engine/sampling.py",
            "kth = mx.sort(x, axis=-1)[:, vocab - cfg.top_k][:, None]",
@@ -93,8 +93,8 @@ MUTANTS = [
            "first = [self._last]",
            ("tests/test_replay.py",), "a plain stretch after a snapshot rollback forgets the tokens to replay"),
     Mutant("bonus-row-served", "mlx_engine/core/verify.py",
-           "rows = mx.concatenate([residual, target_probs[k:]], axis=0)",
-           "rows = mx.concatenate([residual, target_probs[max(k - 1, 0) : max(k, 1)]], axis=0)",
+           "last = target_probs[k:] if cut_probs is None",
+           "last = target_probs[max(k - 1, 0) : max(k, 1)] if cut_probs is None",
            ("tests/test_serve_sampled.py",), "the bonus-row bug, seen through the server's sampled requests"),
     Mutant("residual-row-mtp", "mlx_engine/core/verify.py",
            "residual = mx.maximum(target_probs[:k] - draft_probs, 0.0)",

@@ -215,3 +215,30 @@ def test_bench_verify_refuses_counts_below_one_with_one_line(flag, capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("error: argument " + flag) and "Traceback" not in err
+
+
+@pytest.mark.parametrize("suite", ["json", "tools"])
+def test_structured_suites_run_constrained_modes_and_report_the_grammar_s_figures(tmp_path, suite):
+    model = model_dirs.save_tiny(tmp_path / "tiny", seed=1)
+    out = tmp_path / "r.json"
+    rc = main(["--model", str(model), "--draft-model", "layers:1", "--suite", suite, "--prompts", "2",
+               "--max-tokens", "12", "--trials", "1", "--temps", "0", "--ks", "2", "--warmup-prompts", "1",
+               "--modes", "mlx-lm constrained,engine plain,engine grammar,engine ngram,engine ngram constrained,"
+                          "engine grammar+ngram", "--out", str(out)])
+    assert rc == 0
+    rows = {r["mode"]: r for r in json.loads(out.read_text())["results"]}
+    assert set(rows) == {"mlx-lm constrained", "engine plain", "engine plain constrained", "engine grammar",
+                         "engine ngram", "engine ngram constrained", "engine grammar+ngram"}
+    for name, r in rows.items():
+        assert r["speedup_vs_plain_constrained"] > 0 and 0 <= r["valid"] <= 1
+    assert rows["engine plain constrained"]["speedup_vs_plain_constrained"] == 1.0
+    assert rows["engine grammar"]["forced_share"] > 0 and rows["engine plain constrained"]["forced_share"] == 0
+    assert rows["engine grammar+ngram"]["speedup_vs_unconstrained"] > 0
+    assert rows["engine grammar"]["grammar_us_per_token"] > 0 and rows["engine plain"]["grammar_us_per_token"] == 0
+
+
+def test_structured_modes_are_named_exactly(tmp_path, capsys):
+    model = model_dirs.save_tiny(tmp_path / "tiny", seed=1)
+    assert main(["--model", str(model), "--draft-model", "layers:1", "--suite", "json", "--modes", "engine grammar+nope",
+                 "--out", str(tmp_path / "r.json")]) == 2
+    assert "no structured mode engine grammar+nope" in capsys.readouterr().err

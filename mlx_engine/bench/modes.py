@@ -22,6 +22,9 @@ class Result:
     accepted_at: list = field(default_factory=list)
     peak_memory: int = 0
     wall: float = 0.0  # seconds from the call to the last token, prefill included (end to end)
+    forced: int = 0  # tokens the grammar drafted and the target accepted (structured suites)
+    grammar_seconds: float = 0.0  # host time of the grammar's masks, cuts and forced runs
+    valid: bool | None = None  # the answer is valid for its schema or tools (structured suites)
 
 
 def run_mlx_lm(model, prompt: list[int], max_tokens: int, temp: float, seed: int, draft_model=None, k: int = 0,

@@ -86,6 +86,26 @@ def print_table(rows: list[dict]) -> None:
     Console(width=170).print(table)
 
 
+def print_structured_table(rows: list[dict]) -> None:
+    """The structured suites' own figures (bench/structured.py)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="structured output (median over trials)")
+    for col in ("mode", "temp", "tok/s", "vs plain constrained", "vs unconstrained", "accept", "E", "forced share",
+                "grammar us/token", "valid"):
+        table.add_column(col, justify="left" if col == "mode" else "right")
+
+    def f(v, fmt):
+        return "-" if v is None else format(v, fmt)
+
+    for r in rows:
+        table.add_row(r["mode"], f"{r['temp']:g}", f"{r['tok_s']:.2f}", f(r.get("speedup_vs_plain_constrained"), ".2f"),
+                      f(r.get("speedup_vs_unconstrained"), ".2f"), f(r["acceptance"], ".2f"), f"{r['E']:.2f}",
+                      f(r["forced_share"], ".2f"), f(r["grammar_us_per_token"], ".0f"), f(r["valid"], ".2f"))
+    Console(width=170).print(table)
+
+
 def write_outputs(report: dict, out: Path, chart: Path) -> None:
     """The JSON report, then its chart (or a note saying why there is none and how to get one)."""
     from .chart import ChartUnavailable, draw_report

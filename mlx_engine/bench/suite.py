@@ -26,8 +26,9 @@ from ..drafters.ngram import NgramDrafter
 from ..drafters.suffix import private_cache
 from ..core.engine import Engine
 from ..models import load
+from . import structured
 from .modes import Mode, Result, run_engine, run_mlx_lm
-from .report import BenchInputError, command, machine, print_table, writable_file, write_outputs
+from .report import BenchInputError, command, machine, print_structured_table, print_table, writable_file, write_outputs
 
 PROMPTS = Path(__file__).resolve().parents[2] / "bench" / "prompts"
 BASELINES = ("mlx-lm plain", "engine plain")
@@ -180,6 +181,13 @@ def summarise(results: list[Result]) -> dict:
         "acceptance": accepted / drafted if drafted else None,
         "acceptance_per_position": [a / d if d else 0.0 for a, d in zip(a_at, d_at)],
         "peak_memory_mb": max(r.peak_memory for r in results) / 2**20,
+        # structured suites (bench/structured.py): None elsewhere
+        "forced_share": sum(r.forced for r in results) / tokens if tokens and any(r.valid is not None for r in results)
+        else None,
+        "grammar_us_per_token": 1e6 * sum(r.grammar_seconds for r in results) / (tokens + len(results))
+        if any(r.valid is not None for r in results) else None,
+        "valid": sum(bool(r.valid) for r in results) / len(results) if any(r.valid is not None for r in results)
+        else None,
     }
 
 
@@ -198,7 +206,8 @@ def parser() -> ArgumentParser:
     ap.add_argument("--assistant", help="also run engine gemma4-assistant modes with this Gemma 4 assistant folder")
     ap.add_argument("--random-head", action="store_true", help="also run auto with a randomly initialised MTP head")
     ap.add_argument("--suite", default="chat",
-                    help="prompt suite in bench/prompts (chat, code, long, edit, agent; default chat)")
+                    help="prompt suite in bench/prompts (chat, code, long, edit, agent; json and tools: structured "
+                         "output under each drafter, bench/structured.py; default chat)")
     ap.add_argument("--prompts", type=count(1), default=8, help="prompts from the suite (default 8)")
     ap.add_argument("--max-tokens", type=count(2), default=64,
                     help="tokens per generation, >= 2: decode speed is timed after the first (default 64)")
@@ -261,9 +270,18 @@ def run(args, argv) -> int:
             raise BenchInputError(str(e)) from None
         print(f"note: no MTP modes ({e})", file=sys.stderr)
 
-    prompts = load_prompts(args.suite, args.prompts, tok)
     stop = frozenset() if args.ignore_eos else frozenset(getattr(tok, "eos_token_ids", None) or ())
-    modes = build_modes(args, model, draft_model, mtp, random_mtp, registry_drafters(args, loaded, mtp is not None), stop)
+    more = registry_drafters(args, loaded, mtp is not None)
+    if args.suite in structured.SUITES:  # each prompt with its grammar; constrained and unconstrained modes
+        if args.ignore_eos:
+            raise BenchInputError("--ignore-eos: a structured answer ends where its grammar is complete")
+        prompts = structured.load_structured(args.suite, suite_rows(args.suite, args.prompts), loaded)
+        drafters = {**({"mtp": mtp} if mtp is not None else {}), "ngram": NgramDrafter,
+                    "draft": lambda: DraftModelDrafter(draft_model, model.args.vocab_size), **more}
+        modes = structured.build_structured_modes(args, model, drafters, stop, tok)
+    else:
+        prompts = load_prompts(args.suite, args.prompts, tok)
+        modes = build_modes(args, model, draft_model, mtp, random_mtp, more, stop)
     temps = args.temps
     results = {(m.name, t): [] for m in modes for t in temps}
     warm = min(args.warmup_prompts or len(prompts), len(prompts))
@@ -314,7 +332,13 @@ def run(args, argv) -> int:
                          "e2e_tok_s": statistics.median(t["e2e_tok_s"] for t in trials),
                          "e2e_speedup_vs_mlx_lm_plain": paired(name, "mlx-lm plain", "e2e_tok_s"),
                          "C": c, "S": best["E"] / c if c else 0.0})
+            if args.suite in structured.SUITES:  # against masks-only decoding, and the same drafter unconstrained
+                free = name.replace("grammar+", "").replace(" constrained", "")
+                rows[-1]["speedup_vs_plain_constrained"] = paired(name, "engine plain constrained")
+                rows[-1]["speedup_vs_unconstrained"] = paired(name, free) if free != name else None
     print_table(rows)
+    if args.suite in structured.SUITES:
+        print_structured_table(rows)
 
     report = {"command": "python -m mlx_engine.bench " + " ".join(argv if argv is not None else sys.argv[1:]),
               "date": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": machine(), "model": str(loaded.path),

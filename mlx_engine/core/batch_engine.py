@@ -157,12 +157,13 @@ class BatchEngine(BatchRows):
 
     def add(self, seq_id, prompt: list[int], max_tokens: int, sampling: SamplingConfig | None = None, seed: int = 0,
             stop_tokens: frozenset[int] = frozenset(), num_draft: int | str | None = None, grammar=None,
-            reasoning: bool = False) -> None:
+            reasoning: bool = False, grammar_drafts: bool = True) -> None:
         """Queue a new sequence: the next steps prefill it (a chunk per step, inside the batch's pass) and
         its first token comes out of the step that feeds its last prompt token. `num_draft`: this request's
         ceiling on its draft length per step (0: it never drafts; None or "auto": the batch's choice).
         `grammar` (mlx_engine/grammar): every token it emits is one the grammar allows (core/batch_grammar.py);
-        `reasoning`: its answer opens inside the model's reasoning (the grammar waits for the end marker)."""
+        `reasoning`: its answer opens inside the model's reasoning (the grammar waits for the end marker);
+        `grammar_drafts`: the grammar's forced tokens drafted (off: its masks and cuts only)."""
         if self.supported is not None:
             raise ValueError(f"this model cannot be batched: {self.supported}")
         if self.free_slots() <= 0:
@@ -176,7 +177,8 @@ class BatchEngine(BatchRows):
                               mx.random.key(seed), None, list(prompt), -1,
                               max_draft=None if num_draft in (None, "auto") else int(num_draft),
                               evidence=self.policy.row(),
-                              matcher=grammar.matcher(reasoning) if grammar is not None else None)
+                              matcher=grammar.matcher(reasoning) if grammar is not None else None,
+                              grammar_drafts=grammar_drafts)
         self.prefills.add(seq)
 
     def cancel(self, seq_id) -> None:

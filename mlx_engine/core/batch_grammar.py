@@ -24,7 +24,7 @@ def forced_runs(seqs, decoding: list[int], ks: list[int], cap: int) -> dict[int,
     out = {}
     for i in decoding:
         s = seqs[i]
-        if s.matcher is None:
+        if s.matcher is None or not s.grammar_drafts:
             continue
         run = s.matcher.forced()[: min(cap, MAX_FORCED, s.max_tokens - s.generated - 1)]
         if run:

@@ -49,6 +49,7 @@ class RunningSequence:
     decode_time: float = 0.0
     cancelled: bool = False
     matcher: object = None  # the request's grammar state (grammar/matcher.py), or None: unconstrained
+    grammar_drafts: bool = True  # its grammar's forced tokens are drafted
     forced: int = 0  # tokens its grammar drafted (forced text), apart from `drafted`
     forced_accepted: int = 0
 
@@ -92,6 +93,7 @@ class RunningSequence:
             "prompt_tokens": len(self.prompt), "completion_tokens": g, "reused_prompt_tokens": self.reused,
             "prompt_seconds": self.prompt_time, "decode_seconds": self.decode_time,
             "forced": self.forced, "forced_accepted": self.forced_accepted,
+            "grammar_seconds": self.matcher.seconds if self.matcher is not None else 0.0,
             # the names of core/stats.py's SpecStats, for callers that read those
             "cycles": v, "generated": g, "decode_time": self.decode_time,
         }

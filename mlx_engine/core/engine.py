@@ -57,6 +57,7 @@ class GenerationConfig:
     should_stop: Callable[[], bool] | None = None  # asked between prefill chunks: True ends generate() there
     grammar: Grammar | None = None  # structured output (mlx_engine/grammar): every token emitted is one it allows
     reasoning: bool = False  # the answer opens inside the model's reasoning: the grammar starts after its end marker
+    grammar_drafts: bool = True  # the grammar's forced tokens drafted ahead of the drafter (off: masks and cuts only)
 
     def __post_init__(self):
         if self.max_tokens < 1:
@@ -189,6 +190,8 @@ class Engine:
                 tokens, stopped = tokens[: i + 1], True
                 break
         self._history += tokens
+        if self._matcher is not None:
+            self.stats.grammar_seconds = self._matcher.seconds
         return tokens, stopped
 
     def generate(self, prompt: list[int], config: GenerationConfig | None = None) -> Iterator[Step]:
@@ -208,10 +211,11 @@ class Engine:
         sampling = cfg.sampling
         matcher = self._matcher = cfg.grammar.matcher(cfg.reasoning) if cfg.grammar is not None else None
         # under a grammar, its forced tokens are drafted ahead of the drafter (grammar/drafter.py)
-        drafter = self._drafting = GrammarDrafter(self.drafter, matcher) if matcher is not None else self.drafter
+        drafts_forced = matcher is not None and cfg.grammar_drafts
+        drafter = self._drafting = GrammarDrafter(self.drafter, matcher) if drafts_forced else self.drafter
         want_hidden = hidden_request(drafter)  # which target hidden states the drafter reads, or None
         default, own = members.policies(drafter, self.policy, self.member_policies, cfg.num_draft, self.max_draft)
-        if matcher is not None:
+        if drafts_forced:
             own = {**own, GRAMMAR: drafter.policy}
         stats = self.stats = SpecStats(prompt_tokens=len(prompt))
         mx.reset_peak_memory()

@@ -17,6 +17,8 @@ W = ceil(n_vocab / 32)); grammar/masks.py applies them to logits on the device.
 
 from __future__ import annotations
 
+import time
+
 import llguidance
 import numpy as np
 
@@ -39,6 +41,7 @@ class Matcher:
         self._fed: list[bool] = []  # whether each went to llguidance (not reasoning, not end-of-answer)
         self._start = None if (reasoning and self.marker) else 0  # index where the grammar begins; None: reasoning
         self.words = (grammar.tokenizer.vocab_size + 31) // 32
+        self.seconds = 0.0  # host time spent computing masks, legal prefixes and forced runs (benches)
 
     # -- state ------------------------------------------------------------------------------------
     @property
@@ -80,6 +83,7 @@ class Matcher:
     def legal(self, tokens) -> int:
         """How many leading `tokens` the grammar allows from here (an end-of-answer token, when allowed,
         counts and ends the run: nothing after it is checked). The state is left as it was."""
+        t0 = time.perf_counter()
         n, ended = 0, 0
         for t in tokens:
             t = int(t)
@@ -91,14 +95,17 @@ class Matcher:
             self.consume([t])
             n += 1
         self.rollback(n)
+        self.seconds += time.perf_counter() - t0
         return n + ended
 
     def fill(self, out: np.ndarray) -> None:
         """The mask of the next token into `out` ([W] int32, C-contiguous)."""
+        t0 = time.perf_counter()
         if self.reasoning:
             out[:] = -1
         else:
             self._llg.unsafe_compute_mask_ptr(out.ctypes.data, out.nbytes)
+        self.seconds += time.perf_counter() - t0
 
     def fill_ended(self, out: np.ndarray) -> None:
         """The mask of a row after an end-of-answer token: end-of-answer tokens only (nothing after the end
@@ -144,4 +151,7 @@ class Matcher:
         fast-forward tokens: the tokenization the model itself would write, not a longest match)."""
         if self.reasoning or self._llg.is_stopped():
             return []
-        return list(self._llg.compute_ff_tokens())
+        t0 = time.perf_counter()
+        run = list(self._llg.compute_ff_tokens())
+        self.seconds += time.perf_counter() - t0
+        return run

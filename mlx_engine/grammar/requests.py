@@ -58,6 +58,20 @@ def from_flag(value: str, tokenizer: llguidance.LLTokenizer) -> Grammar:
     raise GrammarError(f"--grammar {value!r}: expected json, json:SCHEMA_FILE, regex:PATTERN or lark:FILE")
 
 
+def tools_system_text(tools: list[dict]) -> str:
+    """The generic form's tool section, for a system message: each tool's name, description and parameters,
+    and how to call one."""
+    lines = ["You can call these tools. Each is given as JSON: its name, what it does, and the JSON schema of "
+             "its arguments."]
+    for t in tools:
+        fn = t.get("function", t)
+        lines.append(json.dumps({"name": fn.get("name"), "description": fn.get("description", ""),
+                                 "parameters": fn.get("parameters", {})}))
+    lines.append(f'To call a tool, answer with {CALL_OPEN}\n{{"name": <the tool\'s name>, "arguments": '
+                 f'<its arguments as JSON>}}\n{CALL_CLOSE}')
+    return "\n".join(lines)
+
+
 def _literal(text: str, tokenizer: llguidance.LLTokenizer) -> str:
     """A Lark item for `text`: the special token when the tokenizer has it as one, else the string."""
     ids = tokenizer.tokenize_str(text)
