@@ -16,7 +16,7 @@ from .core.memory import MemoryBudget, MemoryBudgetError, device_memory, parse_s
 from .drafters.base import quantize_kv
 from .models import LoadedModel, ModelLoadError, load, parameter_bytes
 from .sampling import SamplingConfig
-from .target.cache import KV_BITS, KV_GROUP_SIZES
+from .target_model.cache import KV_BITS, KV_GROUP_SIZES
 
 DRAFTERS = registry.KINDS
 

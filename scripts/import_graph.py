@@ -112,8 +112,9 @@ LAYERS = [  # top to bottom: a module may import its own floor's package or any 
     ("commands", ("app", "mlx_engine.__main__", "mlx_engine.cli", "mlx_engine.convert", "mlx_engine.bench",
                   "mlx_engine.serve", "mlx_engine.train")),
     ("engine", ("mlx_engine.core", "mlx_engine")),
+    ("grammar", ("mlx_engine.grammar",)),
     ("drafters", ("mlx_engine.drafters",)),
-    ("target", ("mlx_engine.target",)),
+    ("target", ("mlx_engine.target_model",)),
     ("kernels / models", ("mlx_engine.kernels", "mlx_engine.models", "mlx_engine.sampling", "metal_kernels")),
     ("base", ("mlx_engine._platform", "mlx_engine.text", "mlx_engine.args", "mlx_engine.host")),
 ]

@@ -10,7 +10,7 @@ def as_engine_decodes(model):
     batch-invariant path (mlx_engine/batch_invariant.py), so a reference decode must run it too; on the
     CPU the model as it is."""
     if ON_GPU:
-        from mlx_engine.target.batch_invariant import make_batch_invariant
+        from mlx_engine.target_model.batch_invariant import make_batch_invariant
 
         make_batch_invariant(model)
     return model

@@ -233,7 +233,7 @@ async def test_kv_bits_that_the_model_cannot_take_fail_the_load_with_the_reason(
 async def test_a_message_over_the_memory_budget_is_not_sent(tiny_model):
     from mlx_engine.core.memory import plan
     from mlx_engine.models import load
-    from mlx_engine.target.model import Target
+    from mlx_engine.target_model.model import Target
 
     m = load(str(tiny_model))
     b = plan(m.model, None, Target(m.model))

@@ -11,7 +11,7 @@ from mlx_engine.core.engine import Engine, GenerationConfig
 from mlx_engine.drafters.mtp import load_head, load_mtp_drafter
 from mlx_engine.drafters.ngram import NgramDrafter
 from mlx_engine.sampling import SamplingConfig
-from mlx_engine.target.batch_cache import BatchKVCache
+from mlx_engine.target_model.batch_cache import BatchKVCache
 from mlx_lm.models.cache import KVCache
 from test_mtp_helpers import OracleMTP, load_hf, make
 

@@ -14,8 +14,8 @@ from mlx_lm.utils import quantize_model
 
 import tiny_models
 from mlx_engine import DraftModelDrafter, Engine, GenerationConfig
-from mlx_engine.target import cache as cache_ops
-from mlx_engine.target.batch_invariant import invariant_attention, make_batch_invariant, tree_sum
+from mlx_engine.target_model import cache as cache_ops
+from mlx_engine.target_model.batch_invariant import invariant_attention, make_batch_invariant, tree_sum
 from reference import mlx_lm_greedy
 from test_greedy_equality import PROMPT
 
@@ -64,7 +64,7 @@ def test_unquantized_model_is_invariant_too():
 
 
 def test_patched_layers_use_the_batch_qmm_op():
-    from mlx_engine.target.batch_invariant import _QEmbedding, _QLinear
+    from mlx_engine.target_model.batch_invariant import _QEmbedding, _QLinear
 
     model = quantized("qwen3", 4)
     kinds = {type(m) for _, m in model.named_modules()}
@@ -117,7 +117,7 @@ def test_greedy_speculative_equals_single_step_decoding_of_patched_model():
 
 def test_benchmark_fp32_row_split_cost():
     """Not an assertion: the cost of the invariant fp32 Linear (one 1-row matmul per row) vs one matmul."""
-    from mlx_engine.target.batch_invariant import _matmul_t
+    from mlx_engine.target_model.batch_invariant import _matmul_t
 
     W = mx.random.normal((2048, 1024))
     for M in (1, 5, 9):

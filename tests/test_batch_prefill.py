@@ -13,7 +13,7 @@ from mlx_engine.core.engine import Engine, GenerationConfig
 from mlx_engine.drafters.mtp import load_mtp_drafter
 from mlx_engine.drafters.ngram import NgramDrafter
 from mlx_engine.sampling import SamplingConfig
-from mlx_engine.target.model import Target
+from mlx_engine.target_model.model import Target
 from test_mtp_helpers import load_hf, make
 
 LONG = np.random.default_rng(5).integers(0, tiny_models.VOCAB, 300).tolist()
@@ -83,7 +83,7 @@ def test_a_long_prompt_never_stalls_a_running_stream(llama):
 def test_prompt_chunks_ride_in_the_batch_pass(llama, monkeypatch):
     """While a long prompt is prefilled beside a decoding stream, every step is ONE forward pass of the target
     (the stream's tokens and the prompt's chunk together): the weights are read once, not once per chunk."""
-    from mlx_engine.target.model import Target as T
+    from mlx_engine.target_model.model import Target as T
 
     engine = BatchEngine(llama, NgramDrafter(), num_draft=2, prefill_step=16)
     engine.add("short", SHORT, 200)

@@ -1,6 +1,6 @@
 """The prefill chunk sizer (core/chunk_sizer.py) against a modelled step cost t(n) = base + n * c: it settles
 where the step fits the budget, never more than doubles, takes at least one token, and follows c as it
-grows with the context. And the batch engine's per-sequence attention (target/sequence_attention.py)."""
+grows with the context. And the batch engine's per-sequence attention (target_model/sequence_attention.py)."""
 
 import mlx.core as mx
 import pytest
@@ -38,9 +38,9 @@ def test_no_budget_takes_the_largest_and_a_free_chunk_doubles():
 
 
 def test_each_sequence_attends_over_its_own_keys_and_idle_rows_are_zeros():
-    from mlx_engine.target.batch_cache import BatchKVCache
-    from mlx_engine.target.batch_sequences import idle_rows
-    from mlx_engine.target.sequence_attention import per_sequence
+    from mlx_engine.target_model.batch_cache import BatchKVCache
+    from mlx_engine.target_model.batch_sequences import idle_rows
+    from mlx_engine.target_model.sequence_attention import per_sequence
 
     def sdpa(q, k, v, cache, scale, mask):
         return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)

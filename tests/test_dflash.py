@@ -15,8 +15,8 @@ import dflash_util as d
 import tiny_models
 from mlx_engine import Engine, GenerationConfig, SamplingConfig
 from mlx_engine.drafters.dflash import DFlashDrafter, DFlashError, load_dflash
-from mlx_engine.target.hidden import HiddenRequest
-from mlx_engine.target.model import Target
+from mlx_engine.target_model.hidden import HiddenRequest
+from mlx_engine.target_model.model import Target
 from reference import mlx_lm_greedy
 
 VOCAB = 64

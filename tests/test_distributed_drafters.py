@@ -130,7 +130,7 @@ class FakeDrafter:
     needs_hidden = True
 
     def __init__(self, layers=(), reads_cache=False):
-        from mlx_engine.target.hidden import HiddenRequest
+        from mlx_engine.target_model.hidden import HiddenRequest
 
         self.hidden_request = HiddenRequest(layers=tuple(layers), final=False)
         self.reads_target_cache = reads_cache

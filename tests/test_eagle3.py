@@ -12,7 +12,7 @@ import tiny_models
 from eagle3_writer import draft_ref, write_eagle3
 from mlx_engine import Engine, GenerationConfig, SamplingConfig
 from mlx_engine.drafters.eagle3 import Eagle3Drafter, Eagle3Error, aux_request, load_eagle3_drafter
-from mlx_engine.target.model import Target
+from mlx_engine.target_model.model import Target
 from reference import mlx_lm_greedy
 from test_distribution import N_SAMPLES, chi_square_p_value, exact_joint
 

@@ -1,4 +1,4 @@
-"""Fixed-row passes (target/fixed_rows.py): every decode and verify pass runs `rows` token rows, the tail
+"""Fixed-row passes (target_model/fixed_rows.py): every decode and verify pass runs `rows` token rows, the tail
 padding it. The pad changes no bit of a real row (against the unpadded batch-invariant model), a verify
 pass equals single-token passes bit for bit, the KV cache keeps only the real rows, speculative greedy
 output equals the engine's plain output, and the load-time probe moves a plan whose op mixes rows to
@@ -13,9 +13,9 @@ from mlx_lm.utils import quantize_model
 
 import tiny_models
 from mlx_engine import DraftModelDrafter, Engine, GenerationConfig, NgramDrafter
-from mlx_engine.target import cache as cache_ops
-from mlx_engine.target.batch_invariant import _QLinear, make_batch_invariant
-from mlx_engine.target.fixed_rows import PLANS, fixed_rows, fixed_rows_plan, make_fixed_rows, make_invariant, probe
+from mlx_engine.target_model import cache as cache_ops
+from mlx_engine.target_model.batch_invariant import _QLinear, make_batch_invariant
+from mlx_engine.target_model.fixed_rows import PLANS, fixed_rows, fixed_rows_plan, make_fixed_rows, make_invariant, probe
 import test_batch_invariance as batch_invariance
 from test_batch_invariance import DIMS, VERIFY
 from test_greedy_equality import PROMPT

@@ -12,8 +12,8 @@ import pytest
 import gemma4_util as g
 from mlx_engine import Engine, GenerationConfig, SamplingConfig
 from mlx_engine.drafters.gemma4_assistant import Gemma4AssistantDrafter, load_assistant
-from mlx_engine.target.hidden import FINAL_HIDDEN
-from mlx_engine.target.model import Target
+from mlx_engine.target_model.hidden import FINAL_HIDDEN
+from mlx_engine.target_model.model import Target
 from reference import mlx_lm_greedy
 
 VOCAB = 32

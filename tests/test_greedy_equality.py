@@ -80,9 +80,9 @@ def test_speculative_greedy_equals_plain(family, kind, k):
 def test_target_captures_the_hidden_states_a_drafter_asks_for(family):
     """Target.forward with a HiddenRequest returns the chosen decoder layers' outputs (then the
     final-normed state), each equal to running the layers by hand, from the same forward pass."""
-    from mlx_engine.target.cache import make_cache
+    from mlx_engine.target_model.cache import make_cache
     from mlx_engine.drafters.base import HiddenRequest
-    from mlx_engine.target.model import Target
+    from mlx_engine.target_model.model import Target
 
     model = tiny_models.build(family, seed=1)[0]
     t = Target(model)

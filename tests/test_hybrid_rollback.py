@@ -12,8 +12,8 @@ from mlx_lm.models.cache import ArraysCache, KVCache
 
 import tiny_models
 from mlx_engine import DraftModelDrafter, Engine, GenerationConfig
-from mlx_engine.target import cache as cache_ops
-from mlx_engine.target.hybrid import enable_per_token_states
+from mlx_engine.target_model import cache as cache_ops
+from mlx_engine.target_model.hybrid import enable_per_token_states
 from reference import mlx_lm_greedy
 from test_greedy_equality import PROMPT
 from device import ON_GPU
@@ -162,7 +162,7 @@ def test_benchmark_per_token_vs_snapshot_replay(family):
 def test_with_batch_invariance_rollback_is_bit_exact():
     """Together with make_batch_invariant (dense qwen3_5: no MoE gather), the state after rollback to any
     prefix equals bit for bit the state of feeding those tokens one at a time."""
-    from mlx_engine.target.batch_invariant import make_batch_invariant
+    from mlx_engine.target_model.batch_invariant import make_batch_invariant
 
     model = make_batch_invariant(build("qwen3_5", patched=True))
     T = len(VERIFY)

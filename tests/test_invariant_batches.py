@@ -17,9 +17,9 @@ import tiny_models
 from mlx_engine import Engine, GenerationConfig
 from mlx_engine.core.batch_engine import BatchEngine
 from mlx_engine.drafters.ngram import NgramDrafter
-from mlx_engine.target import cache as cache_ops
-from mlx_engine.target.batch_cache import append_sequence
-from mlx_engine.target.batch_invariant import make_batch_invariant, several_sequences_unsupported
+from mlx_engine.target_model import cache as cache_ops
+from mlx_engine.target_model.batch_cache import append_sequence
+from mlx_engine.target_model.batch_invariant import make_batch_invariant, several_sequences_unsupported
 from test_fixed_rows import row_mixing
 
 PROMPTS = [[5, 9, 17, 33, 2, 41, 5, 9], [7, 7, 8, 9], [100, 3, 4, 100, 3, 4, 100, 3, 4, 100, 3]]

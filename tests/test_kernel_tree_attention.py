@@ -131,8 +131,8 @@ def test_a_model_s_tree_rows_through_the_emulated_kernel_are_its_decode_steps(mo
     from mlx_engine import Engine
     from mlx_engine import kernels as registry
     from mlx_engine.drafters.tree_draft import host_depths
-    from mlx_engine.target import tree_cache
-    from mlx_engine.target.model import Target
+    from mlx_engine.target_model import tree_cache
+    from mlx_engine.target_model.model import Target
     import tiny_models
     from test_kv_quant import WIDE
 

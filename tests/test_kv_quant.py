@@ -13,8 +13,8 @@ from mlx_lm.models.cache import QuantizedKVCache
 import tiny_models
 from mlx_engine import DraftModelDrafter, Engine, GenerationConfig, NgramDrafter
 from mlx_engine.core.batch_engine import BatchEngine
-from mlx_engine.target import cache as cache_ops
-from mlx_engine.target.model import Target
+from mlx_engine.target_model import cache as cache_ops
+from mlx_engine.target_model.model import Target
 from test_greedy_equality import PROMPT
 
 WIDE = dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128)  # head dim 32
@@ -153,7 +153,7 @@ def test_verify_rows_equal_decode_steps_over_a_quantized_cache_where_stock_atten
     """mlx-lm's quantized attention made row-dependent (its quantized matmul mixing rows, as a device's may):
     in the batch-invariant mode a 5-token pass over a 4-bit cache still gives each row the logits and the
     cache entries of the single-token decode step, bit for bit (each row runs the decode step's call)."""
-    from mlx_engine.target.batch_invariant import make_batch_invariant
+    from mlx_engine.target_model.batch_invariant import make_batch_invariant
     from test_fixed_rows import row_mixing
 
     monkeypatch.setattr(mx, "quantized_matmul", row_mixing(mx.quantized_matmul))

@@ -1,4 +1,4 @@
-"""A prompt token that crosses the decoder layers over several steps (target/layer_span.py): deep in a long
+"""A prompt token that crosses the decoder layers over several steps (target_model/layer_span.py): deep in a long
 prompt one token's attention can outweigh a decoding step, so the batch engine lets it cross as many
 layers per step as fit, its hidden state carried between steps. What it computes must be what one pass
 over all layers computes: the same logits and the same cache entries, and the same tokens out."""
@@ -12,9 +12,9 @@ from mlx_engine.core.batch_engine import BatchEngine
 from mlx_engine.core.chunk_sizer import ChunkSizer
 from mlx_engine.drafters.mtp import load_mtp_drafter
 from mlx_engine.drafters.ngram import NgramDrafter
-from mlx_engine.target import layer_span, sequence_attention
-from mlx_engine.target.batch_cache import BatchKVCache
-from mlx_engine.target.model import Target
+from mlx_engine.target_model import layer_span, sequence_attention
+from mlx_engine.target_model.batch_cache import BatchKVCache
+from mlx_engine.target_model.model import Target
 from test_batch_prefill import SHORT, alone, assert_greedy_equal, drain
 from test_mtp_helpers import load_hf, make
 

@@ -9,7 +9,7 @@ import tiny_models
 from mlx_engine import Engine, GenerationConfig, NgramDrafter
 from mlx_engine.core.context import ContextLengthError
 from mlx_engine.sampling import SamplingConfig
-from mlx_engine.target.model import Target
+from mlx_engine.target_model.model import Target
 from reference import mlx_lm_greedy
 from test_greedy_equality import target
 

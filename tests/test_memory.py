@@ -7,7 +7,7 @@ from mlx_engine import Engine, GenerationConfig, NgramDrafter
 from mlx_engine.core.batch_engine import BatchEngine
 from mlx_engine.core.memory import MemoryBudget, MemoryBudgetError, parse_size, plan
 from mlx_engine.models import parameter_bytes
-from mlx_engine.target.model import Target
+from mlx_engine.target_model.model import Target
 from test_greedy_equality import PROMPT, target
 
 

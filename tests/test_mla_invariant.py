@@ -1,4 +1,4 @@
-"""DeepSeek-V3's MLA attention on the batch-invariant path (target/mla.py): decode and verify passes in the
+"""DeepSeek-V3's MLA attention on the batch-invariant path (target_model/mla.py): decode and verify passes in the
 absorbed form through the batch attention with its rope term. Its output agrees with mlx-lm's (absorbed
 for one token, expanded for more) to float rounding, a verify pass equals single steps bit for bit, and
 greedy speculative output equals plain output."""
@@ -10,7 +10,7 @@ from mlx_lm.utils import quantize_model
 
 import tiny_models
 from mlx_engine import DraftModelDrafter, Engine, GenerationConfig
-from mlx_engine.target.batch_invariant import make_batch_invariant
+from mlx_engine.target_model.batch_invariant import make_batch_invariant
 from test_batch_invariance import passes
 from test_greedy_equality import PROMPT
 
@@ -68,7 +68,7 @@ def test_the_model_path_through_the_emulated_attention_kernel(monkeypatch, path)
 
     from mlx_engine import kernels
     from mlx_engine.kernels import batch_attention as A
-    from mlx_engine.target.fixed_rows import make_fixed_rows
+    from mlx_engine.target_model.fixed_rows import make_fixed_rows
 
     if not compiler_available():
         pytest.skip("the Metal emulator needs g++")

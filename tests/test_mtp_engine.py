@@ -6,7 +6,7 @@ import pytest
 
 from mlx_engine import Engine, GenerationConfig, SamplingConfig
 from mlx_engine.drafters.mtp import load_head, load_mtp_drafter
-from mlx_engine.target.model import Target
+from mlx_engine.target_model.model import Target
 from test_mtp_helpers import PROMPT, OracleMTP, engine_model, generate, load_hf, make
 from reference import mlx_lm_greedy
 

@@ -5,7 +5,7 @@ from mlx.utils import tree_flatten
 import numpy as np
 import pytest
 
-from mlx_engine.target.prefix_cache import PrefixCache
+from mlx_engine.target_model.prefix_cache import PrefixCache
 
 
 def prefix_code(tokens: list[int]) -> list[float]:

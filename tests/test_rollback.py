@@ -6,7 +6,7 @@ import pytest
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
 
 import tiny_models
-from mlx_engine.target import cache as cache_ops
+from mlx_engine.target_model import cache as cache_ops
 from mlx_engine import DraftModelDrafter, Engine, GenerationConfig
 from test_greedy_equality import PROMPT, noisy_copy, target
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from mlx_engine import DraftModelDrafter, GenerationConfig, SamplingConfig
-from mlx_engine.target import cache as cache_ops
+from mlx_engine.target_model import cache as cache_ops
 from reference import mlx_lm_greedy
 from window_util import VOCAB, WINDOW, CheckingEngine, ScriptedPolicy, build, fresh_logits
 

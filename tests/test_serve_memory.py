@@ -43,7 +43,7 @@ def test_memory_budget_refuses_what_never_fits_and_queues_what_fits_later():
     from mlx_engine.core.memory import plan
     from mlx_engine.drafters.registry import DrafterOptions, make_drafter
     from mlx_engine.models import load
-    from mlx_engine.target.model import Target
+    from mlx_engine.target_model.model import Target
 
     m = load(None)
     b = plan(m.model, make_drafter("mtp", m, DrafterOptions()), Target(m.model), limit=1 << 40)

@@ -8,7 +8,7 @@ import numpy as np
 import dflash_util as du
 import tiny_models
 from mlx_engine.drafters.dflash import DFlashDrafter, load_dflash
-from mlx_engine.target.model import Target
+from mlx_engine.target_model.model import Target
 from mlx_engine.train.dflash import make_batch, train_forward
 
 

@@ -12,7 +12,7 @@ from test_train_mtp import assert_same_checkpoint
 from mlx_engine import Engine, GenerationConfig
 from mlx_engine.drafters.eagle3 import load_eagle3_drafter
 from mlx_engine.models import load
-from mlx_engine.target.model import Target
+from mlx_engine.target_model.model import Target
 from mlx_engine.train.corpus import generate_corpus
 from mlx_engine.train.eagle3 import build_head, encode_features, feature_request, init_head, main, unroll, write_checkpoint
 

@@ -12,7 +12,7 @@ import model_dirs
 from mlx_engine import Engine, GenerationConfig, SamplingConfig
 from mlx_engine.drafters.mtp import load_mtp_drafter
 from mlx_engine.models import load
-from mlx_engine.target.model import Target
+from mlx_engine.target_model.model import Target
 from mlx_engine.train.corpus import generate_corpus, read_corpus, save_corpus
 from mlx_engine.train.mtp import main
 

@@ -1,4 +1,4 @@
-"""Token-tree verification (core/tree_verify.py, target/tree_cache.py): a tree pass scores every node as a
+"""Token-tree verification (core/tree_verify.py, target_model/tree_cache.py): a tree pass scores every node as a
 pass over the cache + its own path would, greedy tree output == plain greedy for every family whose cache
 compacts (random, wide and chain trees), the compacted cache equal to a fresh prefill of the kept tokens,
 batch-invariant tree rows bit for bit the decode steps along their paths, and the fallback to chains
@@ -18,8 +18,8 @@ from mlx_engine import Engine, GenerationConfig
 from mlx_engine.drafters.tree_draft import host_ancestors, host_depths, walk
 from mlx_engine.kernels import batch_attention as A
 from mlx_engine.sampling import SamplingConfig
-from mlx_engine.target import tree_cache
-from mlx_engine.target.model import Target
+from mlx_engine.target_model import tree_cache
+from mlx_engine.target_model.model import Target
 from reference import mlx_lm_greedy
 from test_greedy_equality import PROMPT, target
 from test_kv_quant import model as wide_model

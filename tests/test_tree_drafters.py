@@ -22,8 +22,8 @@ from mlx_engine.drafters.suffix import SuffixDrafter
 from mlx_engine.drafters.suffix_cache import SuffixCache
 from mlx_engine.drafters.tree_draft import host_ancestors, host_depths
 from mlx_engine.sampling import SamplingConfig
-from mlx_engine.target import cache as cache_ops
-from mlx_engine.target.model import Target
+from mlx_engine.target_model import cache as cache_ops
+from mlx_engine.target_model.model import Target
 from reference import mlx_lm_greedy
 from test_greedy_equality import target
 from test_mtp_helpers import load_hf

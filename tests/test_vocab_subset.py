@@ -10,7 +10,7 @@ import pytest
 import tiny_models
 from mlx_engine import DraftModelDrafter, Engine, GenerationConfig, SamplingConfig
 from mlx_engine.drafters.vocab_subset import SubsetOutput, load_vocab_subset
-from mlx_engine.target.model import Target
+from mlx_engine.target_model.model import Target
 from test_distribution import CONFIGS, N_SAMPLES, chi_square_p_value, exact_joint
 from test_distribution import PROMPT as DIST_PROMPT
 from test_distribution import VOCAB as DIST_VOCAB

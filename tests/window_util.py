@@ -11,7 +11,7 @@ from mlx.utils import tree_map
 from mlx_lm.utils import _get_classes
 
 from mlx_engine import Engine
-from mlx_engine.target import cache as cache_ops
+from mlx_engine.target_model import cache as cache_ops
 
 WINDOW = 8  # layer 0: RotatingKVCache(max_size=WINDOW); layer 1: KVCache
 VOCAB = 64

@@ -1,7 +1,7 @@
 """Is STOCK MLX batch invariant on this device? A report printed by `python -m mlx_engine.bench verify`.
 
 A (k+1)-token verify pass over a KV cache is compared bit for bit with k+1 single-token passes over the same
-cache, on a small random llama, in float32 and 4-bit quantized, without mlx_engine.target.batch_invariant's
+cache, on a small random llama, in float32 and 4-bit quantized, without mlx_engine.target_model.batch_invariant's
 patch. Whether they agree is a property of the device and the MLX build (reduction order of few-row
 matmuls and attention), not of this code, so it is reported here rather than asserted in the test suite:
 the tests assert what the patch guarantees (tests/test_batch_invariance.py).

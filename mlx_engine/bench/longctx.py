@@ -34,8 +34,8 @@ from ..core.engine import Engine, GenerationConfig
 from ..drafters.registry import DrafterError, DrafterOptions, make_drafter
 from ..drafters.suffix import private_cache
 from ..models import ModelLoadError, load
-from ..target import cache as cache_ops
-from ..target.prefix_cache import PrefixCache
+from ..target_model import cache as cache_ops
+from ..target_model.prefix_cache import PrefixCache
 from .agent_session import follow_up, python_version, session
 from .report import BenchInputError, writable_file
 

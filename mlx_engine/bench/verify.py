@@ -91,7 +91,7 @@ def time_batch_verify(model, sequences: int, prefill: int, max_len: int, trials:
     rows are trimmed back after every timed call."""
     from mlx_lm.models.cache import make_prompt_cache
 
-    from ..target.batch_cache import append_sequence
+    from ..target_model.batch_cache import append_sequence
 
     vocab = model.args.vocab_size
     tokens = mx.random.randint(0, vocab, (sequences, prefill + 7 * sequences + max_len), key=mx.random.key(seed))
@@ -134,8 +134,8 @@ def shape_table(name: str, layers: int | None, prefill: int, max_len: int, trial
     model per plan in `plans`); with sequences > 1 also the batch engine's pass of that many sequences,
     stock and fused."""
     from .. import kernels
-    from ..target.batch_invariant import make_batch_invariant
-    from ..target.fixed_rows import make_fixed_rows
+    from ..target_model.batch_invariant import make_batch_invariant
+    from ..target_model.fixed_rows import make_fixed_rows
     from .shapes import build, describe
 
     model = build(name, layers=layers)
@@ -226,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
 
         if args.shape not in SHAPES:
             ap.error(f"unknown --shape {args.shape!r}; known: {', '.join(SHAPES)}")
-        from ..target.fixed_rows import PLANS
+        from ..target_model.fixed_rows import PLANS
 
         plans = [p.strip() for p in args.fixed_plans.split(",") if p.strip()]
         bad = [p for p in plans if p not in ("auto",) + PLANS]

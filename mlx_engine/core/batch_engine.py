@@ -18,12 +18,12 @@ read once for both, and the chunk is sized so the whole step stays within a boun
 median. The step that feeds the last prompt token hands out its first token; a drafter that keeps prompt
 state is then fed the prompt a chunk per step, and the row drafts once it is. A finished or cancelled
 sequence's row is dropped at once, its entries stored in the shared prefix tree
-(target/prefix_cache.py) within a byte budget.
+(target_model/prefix_cache.py) within a byte budget.
 
 Lossless: sampled rows follow the target's distribution by the usual acceptance rule. Greedy output
 equals the same request served alone where a row's logits do not depend on the other rows: its keys sit
 at the same cache indices as alone and masked entries add exact zeros, which MLX's CPU kernels keep bit
-for bit; with batch_invariant=True on any device (each sequence over its own keys, target/invariant_attention.py).
+for bit; with batch_invariant=True on any device (each sequence over its own keys, target_model/invariant_attention.py).
 """
 
 from __future__ import annotations
@@ -36,13 +36,13 @@ from .. import host
 from ..drafters.base import hidden_request
 from ..drafters.mtp.batched import BatchedMTP, batchable_mtp
 from ..sampling import SamplingConfig
-from ..target import prefix_cache as prefix_ops
-from ..target.batch_cache import BatchKVCache, batchable
-from ..target.cache import check_kv_quantization
-from ..target.fixed_rows import make_invariant_batches
-from ..target import layer_span, sequence_attention
-from ..target.batch_sequences import idle_rows
-from ..target.model import Target
+from ..target_model import prefix_cache as prefix_ops
+from ..target_model.batch_cache import BatchKVCache, batchable
+from ..target_model.cache import check_kv_quantization
+from ..target_model.fixed_rows import make_invariant_batches
+from ..target_model import layer_span, sequence_attention
+from ..target_model.batch_sequences import idle_rows
+from ..target_model.model import Target
 from . import invariance_default
 from . import batch_grammar
 from .batch_policy import BatchPolicy, FixedBatchPolicy
@@ -70,7 +70,7 @@ class BatchEngine(BatchRows):
         prefill_step: the largest prefill chunk; prefix_cache_bytes: the prefix tree's budget (0: none);
         context_length: prompt + max_tokens beyond it are refused (None: not checked); idle_budget: seconds
         a prefill chunk may take when no sequence is decoding. kv_bits / kv_group_size: the target's KV cache
-        quantized (each row's entries, target/batch_cache.py), as in Engine (batch invariant by default, prompts
+        quantized (each row's entries, target_model/batch_cache.py), as in Engine (batch invariant by default, prompts
         fed in chunks of at most the contract's rows). memory: a budget (core/memory.py):
         a request that cannot fit even alone is refused at add(); `can_admit` tells whether one fits now."""
         self.memory = memory

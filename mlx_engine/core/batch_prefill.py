@@ -21,7 +21,7 @@ tokens stays within ~2.2x its median: the weights are read once for both), or `i
 when no row decodes (new arrivals and cancellations are then seen within about that). Where even one
 token does not fit (deep in a long prompt, its attention alone outweighs a decoding step), the token
 crosses the decoder layers over several steps, as many per step as fit, its hidden state carried
-between them (`span`, target/layer_span.py). A cancelled
+between them (`span`, target_model/layer_span.py). A cancelled
 sequence leaves at once; what it had fed goes to the prefix tree, so a retry resumes there.
 """
 
@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 from mlx.utils import tree_map
 
-from ..target.layer_span import Span
+from ..target_model.layer_span import Span
 from .batch_sequence import RunningSequence
 from .chunk_sizer import ChunkSizer
 

@@ -15,7 +15,7 @@ from mlx.utils import tree_map
 
 from .. import host
 from ..drafters.base import Verdict
-from ..target.batch_cache import BatchKVCache, QuantizedBatchKVCache
+from ..target_model.batch_cache import BatchKVCache, QuantizedBatchKVCache
 from .batch_prefill import Prefilling, empty_like, row_prefix
 from .batch_sequence import Output, RunningSequence
 

@@ -11,7 +11,7 @@ that fits budget x margin, at most doubling per chunk, at least one token, start
 
 Deep in a long prompt even one token may not fit (its attention alone outweighs a decoding step): `fits`
 then says what share of one token's pass does, and `layers` turns that into the decoder layers a chunk
-crosses this step (target/layer_span.py). A chunk that crossed m of L layers counts as n * m / L tokens.
+crosses this step (target_model/layer_span.py). A chunk that crossed m of L layers counts as n * m / L tokens.
 `fits` grows at most twofold per chunk, as the token count does (one noisy short step must not make the
 next one take a whole deep token at once).
 """

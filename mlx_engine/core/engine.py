@@ -21,9 +21,9 @@ from typing import Callable, Iterator
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..target import cache as cache_ops
+from ..target_model import cache as cache_ops
 from .. import host, kernels
-from ..target.fixed_rows import make_invariant
+from ..target_model.fixed_rows import make_invariant
 from ..kernels.acceptance import uniforms_from_key
 from ..drafters.base import Draft, Drafter, HiddenRequest, Verdict, hidden_request
 from ..grammar import Grammar, apply_bitmask
@@ -35,8 +35,8 @@ from .memory import MemoryBudget
 from .policy import AdaptivePolicy
 from ..sampling import SamplingConfig, probabilities, process_logits
 from .stats import SpecStats
-from ..target.model import Target
-from ..target.prefix_cache import PrefixCache
+from ..target_model.model import Target
+from ..target_model.prefix_cache import PrefixCache
 from .tree_verify import Trees
 from .verify import accept_greedy, accept_sampled
 
@@ -91,15 +91,15 @@ class Engine:
     ):
         """max_draft: the longest draft the adaptive policy tries (None: the drafter's own, else 8).
         batch_invariant: decode (plain and verify) batch invariant, so speculative output equals plain output
-        bit for bit on any device: True / "kernels" (target/batch_invariant.py), "fixed" (fixed-row passes,
-        target/fixed_rows.py). None: core/invariance_default.py's rule; "kernels" with a quantized KV cache.
+        bit for bit on any device: True / "kernels" (target_model/batch_invariant.py), "fixed" (fixed-row passes,
+        target_model/fixed_rows.py). None: core/invariance_default.py's rule; "kernels" with a quantized KV cache.
         context_length: the model's context window (models.context_length); a prompt plus max_tokens beyond
         it is refused before any work (ContextLengthError). None: not checked.
-        prefix_cache_bytes: > 0 keeps a prefix tree of that size (target/prefix_cache.py) that prompts of other
+        prefix_cache_bytes: > 0 keeps a prefix tree of that size (target_model/prefix_cache.py) that prompts of other
         conversations start from, filled after each generation (`held.prefix_cache_off` says why a model's
         cache cannot be kept by prefix); prefix_tree: a tree shared with other engines instead (one that keeps
         hidden rows serves engines that read none as well).
-        kv_bits / kv_group_size: the target's KV cache quantized (target/cache.py), batch invariant by default
+        kv_bits / kv_group_size: the target's KV cache quantized (target_model/cache.py), batch invariant by default
         and its prompt fed in passes of at most max_rows tokens: a float-level difference in a key flips its
         code (README, Long contexts); batch_invariant=False: stock passes (not lossless with such a cache).
         memory: a budget (core/memory.py) each prompt + max_tokens is checked against before any work."""

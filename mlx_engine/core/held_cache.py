@@ -2,7 +2,7 @@
 
 `tokens` lists the tokens the cache holds, in order (and `hidden` their hidden rows when the drafter reads
 them), so the next generation reuses the longest common prefix (a chat's earlier turns) instead of
-prefilling it again. A shared prefix tree (target/prefix_cache.py) adds prefixes of earlier, other
+prefilling it again. A shared prefix tree (target_model/prefix_cache.py) adds prefixes of earlier, other
 conversations: a prompt starts from whichever holds more of it. Prefill runs in chunks, each a point
 where progress is reported and a stop is honoured; what was fed stays recorded, so a stopped prefill
 resumes where it stopped.
@@ -14,9 +14,9 @@ import mlx.core as mx
 
 from .. import host
 from ..drafters.base import HiddenRequest
-from ..target import cache as cache_ops
-from ..target import prefix_cache as prefix_ops
-from ..target.prefix_cache import PrefixCache
+from ..target_model import cache as cache_ops
+from ..target_model import prefix_cache as prefix_ops
+from ..target_model.prefix_cache import PrefixCache
 
 
 class HeldCache:

@@ -142,7 +142,7 @@ def plan(model, drafter, target, limit: int | None = None, reserved: int = 0, wh
     per_token, fixed = cache_bytes_per_token(target.make_cache, lambda x, c: host.wait(target.forward(x, c)[0]))
     inner = getattr(drafter, "model", drafter) if drafter is not None and hasattr(drafter, "ngram") else drafter
     if inner is not None and getattr(inner, "name", None) == "draft":
-        from ..target.cache import make_cache
+        from ..target_model.cache import make_cache
 
         quant = getattr(inner, "kv_quant", None) or (None,)
         d_tok, d_fixed = cache_bytes_per_token(lambda: make_cache(inner.model, *quant),

@@ -1,5 +1,5 @@
 """A verify cycle whose draft is a token tree (drafters/tree_draft.py): one target pass over every node,
-the longest accepted path kept, the cache compacted to it (target/tree_cache.py).
+the longest accepted path kept, the cache compacted to it (target_model/tree_cache.py).
 
 Acceptance, one rule for every temperature: the target picks a token at EVERY row of the pass (greedy: its
 argmax; temperature > 0: a sample from its distribution after the sampler chain, one independent uniform
@@ -14,7 +14,7 @@ One host read per cycle: the picks of all rows (and, for a device tree, its toke
 walk on the host. Trees need a cache that compacts (plain or quantized KV caches), no repetition penalty
 (its history differs per branch), and no fixed-row pass; otherwise `off` says why and the drafter's best
 chain is verified as before. Batch-invariant (`kernels`) passes verify trees too, each row bit for bit the
-decode step at its position (target/tree_cache.py); a device tree's shape is then read before the pass
+decode step at its position (target_model/tree_cache.py); a device tree's shape is then read before the pass
 (a second host read per cycle).
 """
 
@@ -31,7 +31,7 @@ from ..grammar import apply_bitmask
 from ..grammar.trees import kept, legal_nodes, tree_masks
 from ..kernels.batch_attention import tree_bits
 from ..sampling import SamplingConfig, probabilities, process_logits, sample
-from ..target import tree_cache
+from ..target_model import tree_cache
 
 
 class Trees:

@@ -1,4 +1,4 @@
-"""Every rank rolls its own layers back after each verdict (target/cache.py), so all must take the same path.
+"""Every rank rolls its own layers back after each verdict (target_model/cache.py), so all must take the same path.
 
 KV layers trim by offset; GatedDeltaNet layers (qwen3_next, qwen3_5) keep per-token states and roll back
 by index: neither feeds anything again. A layer that can only snapshot (a sliding window that has wrapped,

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from ..target.hidden import FINAL_HIDDEN, HiddenRequest
-from ..target.model import Target
+from ..target_model.hidden import FINAL_HIDDEN, HiddenRequest
+from ..target_model.model import Target
 
 
 def tie(caches: list, x: mx.array) -> None:

@@ -12,7 +12,7 @@ from typing import Protocol
 import mlx.core as mx
 
 from ..sampling import SamplingConfig
-from ..target.hidden import FINAL_HIDDEN, HiddenRequest  # noqa: F401  (a drafter's request; the target captures it)
+from ..target_model.hidden import FINAL_HIDDEN, HiddenRequest  # noqa: F401  (a drafter's request; the target captures it)
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,7 @@ from mlx_lm.models.rope_utils import initialize_rope
 
 from .. import host
 from ..sampling import SamplingConfig, choose
-from ..target.hidden import HiddenRequest
+from ..target_model.hidden import HiddenRequest
 from .base import Draft, Verdict
 
 
@@ -206,7 +206,7 @@ class DFlashDrafter:
     needs_hidden = True
 
     def __init__(self, model: DFlashModel, target):
-        from ..target.model import Target
+        from ..target_model.model import Target
 
         self.model = model
         self.target = target if isinstance(target, Target) else Target(target)

@@ -11,7 +11,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from ..target import cache as cache_ops
+from ..target_model import cache as cache_ops
 from .. import host
 from ..sampling import SamplingConfig, choose
 from .base import Draft, Verdict
@@ -42,7 +42,7 @@ class DraftModelDrafter:
         self.prefill_step = prefill_step
         self._subset = self._draft = None
         if vocab_subset is not None:
-            from ..target.model import Target
+            from ..target_model.model import Target
 
             self._draft = Target(model)  # captures the final-normed hidden state its output layer scores
             dtype = next((v.dtype for _, v in tree_flatten(model.parameters()) if mx.issubdtype(v.dtype, mx.floating)),

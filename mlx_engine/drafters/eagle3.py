@@ -42,7 +42,7 @@ from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache
 
 from .. import host
-from ..target.hidden import HiddenRequest
+from ..target_model.hidden import HiddenRequest
 from .mtp.drafter import MTPDrafter
 
 AUX_KEY = "eagle_aux_hidden_state_layer_ids"
@@ -293,7 +293,7 @@ def load_eagle3_head(path, target) -> Eagle3Head:
 
 
 def load_eagle3_drafter(path, model, prefill_step: int = 2048) -> Eagle3Drafter:
-    from ..target.model import Target
+    from ..target_model.model import Target
 
     target = model if isinstance(model, Target) else Target(model)
     return Eagle3Drafter(load_eagle3_head(path, target), target, prefill_step)

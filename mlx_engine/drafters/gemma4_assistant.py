@@ -34,7 +34,7 @@ from mlx_lm.models.cache import RotatingKVCache
 
 from .. import host
 from ..sampling import SamplingConfig, choose
-from ..target.hidden import FINAL_HIDDEN
+from ..target_model.hidden import FINAL_HIDDEN
 from .base import Draft, Verdict
 
 
@@ -171,7 +171,7 @@ class Gemma4AssistantDrafter:
     reads_target_cache = True  # the engine hands it the target's cache (attach_target_cache)
 
     def __init__(self, assistant: Gemma4Assistant, target):
-        from ..target.model import Target
+        from ..target_model.model import Target
 
         self.assistant = assistant
         self.target = target if isinstance(target, Target) else Target(target)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from ..sampling import SamplingConfig
-from ..target import cache as cache_ops
+from ..target_model import cache as cache_ops
 from .mtp.drafter import MTPDrafter
 from .tree_draft import TokenTree
 

@@ -49,7 +49,7 @@ def check_same_tokenizer(target_tok, draft_tok, draft_name: str) -> None:
 
 
 def _vocab(loaded) -> int:
-    from ..target.model import Target
+    from ..target_model.model import Target
 
     return Target(loaded.model).vocab_size
 

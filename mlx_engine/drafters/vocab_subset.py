@@ -24,7 +24,7 @@ SUBSET_KEY = "vocab_subset"
 
 def output_rows(target, ids: mx.array) -> mx.array:
     """Rows `ids` of the target's output matrix (lm_head, or the tied embedding), dequantized, [S, H].
-    `target`: a mlx_engine.target.model.Target."""
+    `target`: a mlx_engine.target_model.model.Target."""
     text = target.text
     head = getattr(text, "lm_head", None)
     if head is None:

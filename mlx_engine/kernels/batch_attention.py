@@ -7,10 +7,10 @@ attention), optional qp [B, Hq, L, DP] / kp [B, Hk, Nk, DP] whose dot product is
 last L positions); else every query sees all Nk keys. Output o [B, Hq, L, DV] in q's dtype:
     o[i] = sum_j softmax_j(scale * (q_i . k_j + qp_i . kp_j)) v_j   over the keys query i sees.
 live (optional, <= L): only the first `live` queries are real, the rest pad a fixed-row pass
-(target/fixed_rows.py): their rows are zeros and no key is read for them; a real query sees the same
+(target_model/fixed_rows.py): their rows are zeros and no key is read for them; a real query sees the same
 keys as without `live` (causal: its position counts all L rows), so live changes no bit of its row.
 lens (optional, B ints): sequence b has only the first lens[b] of the Nk keys (the rows of a batch cache,
-target/batch_cache.py); its queries are the last L of those. Every row is then what a launch of that
+target_model/batch_cache.py); its queries are the last L of those. Every row is then what a launch of that
 sequence alone over k[b, :, :lens[b]] gives: one launch serves a batch of sequences of any lengths.
 tree (optional, L ints): a token tree's verify pass (core/tree_verify.py): the L queries are the tree's
 rows, and query i sees the Nk - L keys before them and, of the last L keys, those whose bits tree[i] sets

@@ -144,8 +144,8 @@ def memory_plan(loaded, drafter, args):
     """The memory budget (core/memory.py), checked against the weights and the prefix tree's share (--prefix-cache,
     default a tenth of the budget). -> (budget, bytes for the prefix tree)."""
     from ..core.memory import device_memory, plan
-    from ..target.cache import check_kv_quantization
-    from ..target.model import Target
+    from ..target_model.cache import check_kv_quantization
+    from ..target_model.model import Target
 
     check_kv_quantization(args.kv_bits, args.kv_group_size)
     limit = args.max_memory or device_memory()

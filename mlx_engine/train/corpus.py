@@ -246,7 +246,7 @@ def load_corpora(files: list[str], target, tokenizer, out: Path, batch: int = 8)
 def frozen_target(model: str | None):
     """(loaded model, Target) of `model` (default: the embedded one), frozen: what every trainer distils from."""
     from ..models import load
-    from ..target.model import Target
+    from ..target_model.model import Target
 
     if model is None:
         from ..models.default import default_model_path

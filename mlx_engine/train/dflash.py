@@ -32,7 +32,7 @@ from mlx.utils import tree_flatten  # noqa: E402
 
 from ..args import ArgumentParser, HelpFormatter, count, finite, int_list  # noqa: E402
 from ..drafters.dflash import DFlashModel  # noqa: E402
-from ..target.hidden import HiddenRequest  # noqa: E402
+from ..target_model.hidden import HiddenRequest  # noqa: E402
 from .batches import choose_subset, schedule  # noqa: E402
 from .command import run_trainer  # noqa: E402
 from .corpus import _text_rows, log  # noqa: E402
@@ -173,7 +173,7 @@ def check_inputs(a) -> Path:
 
 def train(a) -> int:
     from ..models import load
-    from ..target.model import Target
+    from ..target_model.model import Target
 
     out = check_inputs(a)
     loaded = load(a.model)

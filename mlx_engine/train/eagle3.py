@@ -40,7 +40,7 @@ from mlx.utils import tree_flatten, tree_map  # noqa: E402
 from ..args import count, finite  # noqa: E402
 from ..drafters.eagle3 import Eagle3Head, default_aux_ids  # noqa: E402
 from ..drafters.vocab_subset import output_rows  # noqa: E402
-from ..target.hidden import HiddenRequest  # noqa: E402
+from ..target_model.hidden import HiddenRequest  # noqa: E402
 from . import mtp  # noqa: E402
 from .command import run_trainer  # noqa: E402
 from .batches import batch_order, make_windows  # noqa: E402

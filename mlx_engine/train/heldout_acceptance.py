@@ -43,7 +43,7 @@ def main(argv=None) -> int:
     from mlx_engine.models.default import default_model_path
     from mlx_engine.drafters.mtp import load_mtp_drafter
     from mlx_engine.models import load
-    from mlx_engine.target.model import Target
+    from mlx_engine.target_model.model import Target
     from mlx_engine.train.corpus import _hidden, generate_corpus, read_corpus, save_corpus
 
     m = load(a.model or str(default_model_path()))

@@ -277,7 +277,7 @@ def gather_speed():
 def forward(name, layers, lengths):
     from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
-    from mlx_engine.target.batch_invariant import make_batch_invariant
+    from mlx_engine.target_model.batch_invariant import make_batch_invariant
     from mlx_engine.bench.shapes import build, describe
 
     model = build(name, layers=layers)

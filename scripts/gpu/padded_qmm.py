@@ -34,7 +34,7 @@ def padded(P):
 
 def shared_pad_qmm(P):
     """batch_invariant._qmm padding each layer input once: q/k/v (and gate/up) get the same x array."""
-    from mlx_engine.target import batch_invariant as BI
+    from mlx_engine.target_model import batch_invariant as BI
 
     last = []
 

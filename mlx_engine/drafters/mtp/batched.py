@@ -21,7 +21,7 @@ import mlx.core as mx
 
 from ... import host
 from ...sampling import SamplingConfig, choose
-from ...target.batch_cache import BatchKVCache, append_sequence
+from ...target_model.batch_cache import BatchKVCache, append_sequence
 from ..base import Draft, Verdict
 from .drafter import MTPDrafter
 

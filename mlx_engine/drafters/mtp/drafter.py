@@ -23,7 +23,7 @@ import mlx.nn as nn
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache
 
-from ...target import cache as cache_ops
+from ...target_model import cache as cache_ops
 from ... import host
 from ...sampling import SamplingConfig, choose
 from ..base import Draft, Verdict
@@ -92,7 +92,7 @@ class MTPDrafter:
     kv_quant: tuple[int, int] | None = None  # (bits, group size) of the head's own KV cache (drafters.base.quantize_kv)
 
     def __init__(self, head: MTPHead, target, prefill_step: int = 2048):
-        from ...target.model import Target
+        from ...target_model.model import Target
 
         self.head = head
         self.target = target if isinstance(target, Target) else Target(target)

@@ -1,6 +1,6 @@
 """Hybrid (GatedDeltaNet) targets roll back to any accepted prefix without a replay pass (issue 6).
 
-    from mlx_engine.target.hybrid import enable_per_token_states
+    from mlx_engine.target_model.hybrid import enable_per_token_states
     enable_per_token_states(model)   # in place; returns the number of layers patched
 
 The GatedDeltaNet layers of qwen3_next / qwen3_5 targets get their instance class swapped for a

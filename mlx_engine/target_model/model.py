@@ -3,7 +3,7 @@
 mlx-lm models are `Model(inputs, cache) -> logits` with an inner `model` whose output is the
 final-normed hidden state and whose `layers` are the decoder layers. We never fork a model class: to
 capture a module's output we swap that instance's class for a subclass whose __call__ records it
-(parameters and names are untouched). What is captured is a HiddenRequest (target/hidden.py): the
+(parameters and names are untouched). What is captured is a HiddenRequest (target_model/hidden.py): the
 outputs of chosen decoder layers (EAGLE-3, DFlash) and/or the final-normed state (MTP heads).
 """
 
@@ -45,7 +45,7 @@ class Target:
     """Wraps an mlx-lm model. `forward(tokens, cache, request)` -> (logits [n, V], hidden [n, H'] | None)."""
 
     def __init__(self, model: nn.Module, kv_bits: int | None = None, kv_group_size: int = 64):
-        """kv_bits: the caches it makes quantize keys and values to that many bits (target/cache.py)."""
+        """kv_bits: the caches it makes quantize keys and values to that many bits (target_model/cache.py)."""
         self.model = model
         self.kv_bits, self.kv_group_size = kv_bits, kv_group_size
         self.text = _text_model(model)
@@ -120,7 +120,7 @@ class Target:
         if request is True:
             request = FINAL_HIDDEN
         logits, hidden = self._run_capturing(lambda: self.model(tokens[None], cache=cache), request)
-        # hidden rows past the logits' are the pad rows of a fixed-row pass (target/fixed_rows.py)
+        # hidden rows past the logits' are the pad rows of a fixed-row pass (target_model/fixed_rows.py)
         return logits[0], None if hidden is None else hidden[0, : logits.shape[1]]
 
     def forward_batch(self, tokens: mx.array, cache: list, request: HiddenRequest | None = None):

@@ -1,7 +1,7 @@
 """Fixed-row passes: every decode and verify pass of the target runs exactly `rows` token rows, so MLX's
 own ops see one shape in every pass and give each row the same bits (issue 12).
 
-    from mlx_engine.target.fixed_rows import make_fixed_rows
+    from mlx_engine.target_model.fixed_rows import make_fixed_rows
     plan = make_fixed_rows(model, rows=16)   # in place; "stock", "stock-linears" or "kernels"
 
 A pass of n < rows tokens is fed as those n tokens followed by rows - n copies of the last one (pad
@@ -15,7 +15,7 @@ whatever the pad holds. What the rest runs is the plan:
                    real (pad rows read no key, their rows are zeros; without a GPU kernel each real row
                    alone through MLX's attention); MoE experts (gather_qmm), MLA attention and raw-weight
                    MoE gates on the real rows only.
-  "kernels"        the linears through batch_qmm / row-split matmuls too (target/batch_invariant.py).
+  "kernels"        the linears through batch_qmm / row-split matmuls too (target_model/batch_invariant.py).
 
 Why: with stock MLX a verify pass picks its kernels by row count (a quantized matmul runs qmv per row
 for a few rows, qmm from more; attention splits keys by launch size), so its rows differ in the last bits

@@ -1,5 +1,5 @@
 """What a drafter reads of the target: the hidden states of chosen decoder layers and/or the final-normed
-state, captured in the target's own forward pass (target/model.py)."""
+state, captured in the target's own forward pass (target_model/model.py)."""
 
 from dataclasses import dataclass
 

@@ -1,9 +1,9 @@
 """The rows of a batch-invariant pass: what a patched module is told about them, and how it splits them.
 
 A pass feeds x [B, L, ...]: B sequences (1 in the single-sequence engine, the running requests in the
-batch engine) of L tokens each. The contract (target/batch_invariant.py) covers passes of L <= max_rows
+batch engine) of L tokens each. The contract (target_model/batch_invariant.py) covers passes of L <= max_rows
 tokens per sequence, whatever B: every (sequence, token) row gets the bits of that sequence's
-single-token decode step. A fixed-row pass (target/fixed_rows.py) is one sequence whose first `live`
+single-token decode step. A fixed-row pass (target_model/fixed_rows.py) is one sequence whose first `live`
 rows are real and whose other rows pad it to a fixed count.
 """
 
@@ -17,7 +17,7 @@ MAX_ROWS = 16  # tokens per sequence in a pass covered by the contract (verify p
 
 # set while a patched model runs (its modules run stock when called from anywhere else)
 active: contextvars.ContextVar[bool] = contextvars.ContextVar("mlx_engine_batch_invariant", default=False)
-# the real rows of a fixed-row pass (target/fixed_rows.py: the rest pad it to a fixed row count), else None
+# the real rows of a fixed-row pass (target_model/fixed_rows.py: the rest pad it to a fixed row count), else None
 live_rows: contextvars.ContextVar[int | None] = contextvars.ContextVar("mlx_engine_live_rows", default=None)
 
 

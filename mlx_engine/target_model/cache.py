@@ -6,7 +6,7 @@ tail by offset. Layers that cannot (recurrent ArraysCache of GatedDeltaNet / Mam
 windows) are snapshotted before the pass; on rollback EVERY layer returns to the checkpoint and the kept
 tokens are handed back to be replayed, which the engine folds into the next forward pass (no extra pass).
 
-Per-token states (mlx_engine.target.hybrid.enable_per_token_states): a GatedDeltaNet layer patched to keep its
+Per-token states (mlx_engine.target_model.hybrid.enable_per_token_states): a GatedDeltaNet layer patched to keep its
 state after every token of a verify pass (`cache.per_token`) is restorable by index. Its checkpoint is
 only references to its current arrays (the layer replaces them, never writes into them: no copy); on
 rollback it is set to the state after token n_keep-1 (or back to the checkpoint when n_keep == 0). When

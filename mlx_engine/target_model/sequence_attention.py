@@ -14,7 +14,7 @@ additive mask, which keeps mlx-lm's padded call.
 
 `install(model)` wraps the `scaled_dot_product_attention` each of the model's modules calls (once per
 module); anything but a BatchKVCache goes to the original untouched. Batch-invariant passes have their
-own wrapper (target/invariant_attention.py), which handles batch caches itself while it is active.
+own wrapper (target_model/invariant_attention.py), which handles batch caches itself while it is active.
 """
 
 from __future__ import annotations

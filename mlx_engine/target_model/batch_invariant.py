@@ -1,7 +1,7 @@
 """Batch-invariant forward passes: a verify pass of k+1 tokens gives, bit for bit, the logits of k+1
 single-token passes (anchors "Why verify is expensive" 1-3, 5; DESIGN "Exact on every device").
 
-    from mlx_engine.target.batch_invariant import make_batch_invariant
+    from mlx_engine.target_model.batch_invariant import make_batch_invariant
     model = make_batch_invariant(model)     # in place; returns the model
 
 Why: with stock MLX the rows of an M-row pass are not computed by the same instruction sequence as a
@@ -14,19 +14,19 @@ What it installs (parameters are untouched: every patched module keeps its array
 the instance's class for a subclass, as target.py does), for passes of up to `max_rows` tokens per
 sequence: one sequence (the engine's verify passes) or several over a BatchKVCache (the batch engine's
 steps; every (sequence, token) row then gets the bits of its sequence's single-token step; see
-target/invariant_rows.py):
+target_model/invariant_rows.py):
 
   * `nn.QuantizedLinear` / `nn.QuantizedEmbedding.as_linear` (affine 4/8-bit, group 32/64/128):
     kernels "batch_qmm" (each weight read once for all rows; on the CPU its reference).
   * `QuantizedSwitchLinear` in `SwitchGLU` (MoE experts): kernels "gather_qmm" (each expert read once
     for all rows routed to it), the SwitchGLU without its sorting step.
   * attention: the module-level `scaled_dot_product_attention` mlx-lm's attention layers call is
-    wrapped (target/invariant_attention.py): kernels "batch_attention" over each sequence's own keys,
+    wrapped (target_model/invariant_attention.py): kernels "batch_attention" over each sequence's own keys,
     or on a CPU MLX's own attention one query row at a time.
   * `nn.Linear` / tied `nn.Embedding.as_linear` (unquantized): one 1-row matmul per row (the op
     sequence of single-token decode, so equal by construction; the weights are streamed once per row).
   * DeepSeek-V3's MLA attention: decode and verify passes in the absorbed form through kernels
-    "batch_attention" with its rope score term (target/mla.py; mlx-lm switches to the expanded form
+    "batch_attention" with its rope score term (target_model/mla.py; mlx-lm switches to the expanded form
     for L > 1).
   * modules with no invariant kernel, run one token at a time (exactly the decode computation, so
     equal by construction): `SwitchGLU` over unquantized experts, the MLA attention of other families
@@ -35,7 +35,7 @@ target/invariant_rows.py):
 
 Passes of more rows (prefill) run stock: the contract covers decode and verify. Not covered: quantized
 KV caches, attention sinks, non-affine quantization (mxfp4 / nvfp4 / mxfp8), the GatedDeltaNet
-recurrence (mlx_engine.target.hybrid uses the per-token `gdn_step`, sequential by nature). On a GPU the
+recurrence (mlx_engine.target_model.hybrid uses the per-token `gdn_step`, sequential by nature). On a GPU the
 kernels use fused multiply-adds where the CPU references round twice: a patched model is batch
 invariant on every device, and its logits agree with the CPU's to float rounding.
 """
@@ -223,7 +223,7 @@ def _gate_per_token_class(cls: type) -> type:
 
 
 def _mla_class(cls: type) -> type:
-    """DeepSeek-V3's MLA attention: decode and verify passes in the absorbed form (target/mla.py)."""
+    """DeepSeek-V3's MLA attention: decode and verify passes in the absorbed form (target_model/mla.py)."""
 
     def __call__(self, x, mask=None, cache=None):
         if not covered(x, self._bi_rows):
@@ -293,7 +293,7 @@ def make_batch_invariant(model: nn.Module, max_rows: int = MAX_ROWS, linear: boo
     max_rows: passes of up to this many rows per matmul are covered by the contract.
     linear: also patch unquantized nn.Linear / tied nn.Embedding (row-by-row 1-row matmuls).
     quantized: patch nn.QuantizedLinear / QuantizedEmbedding (batch_qmm); False leaves them stock, for
-    target/fixed_rows.py, whose passes all have one row count."""
+    target_model/fixed_rows.py, whose passes all have one row count."""
     modules = set()
     for _, m in model.named_modules():
         modules.add(type(m).__module__)
@@ -326,7 +326,7 @@ def make_batch_invariant(model: nn.Module, max_rows: int = MAX_ROWS, linear: boo
 
 
 def is_batch_invariant(model: nn.Module) -> bool:
-    """Patched here, or for fixed-row passes (target/fixed_rows.py, which may patch nothing here)."""
+    """Patched here, or for fixed-row passes (target_model/fixed_rows.py, which may patch nothing here)."""
     cls = type(model)
     return bool(getattr(cls, "_mlx_engine_bi_switch", False) or getattr(cls, "_mlx_engine_fixed_rows", False))
 

@@ -6,7 +6,7 @@ to its own ancestors and itself only. No model class is forked:
 - the mask: every layer cache's `make_mask` (what mlx-lm's `create_attention_mask` asks the cache for)
   answers the tree mask for the pass, [L, P + L] bool;
 - the positions: the model's RoPE modules are wrapped once (the instance's class swapped for a subclass,
-  as target/model.py captures hidden states) to rotate row i at its own position while a pass is on:
+  as target_model/model.py captures hidden states) to rotate row i at its own position while a pass is on:
   `mx.fast.rope` over the rows as a batch of one-token sequences, each at its own offset, the very
   computation of a one-token step at that position.
 

@@ -13,7 +13,7 @@ both run the absorbed form, for passes of up to the model's invariant row bound:
 
 with the same projections, norms and RoPE as mlx-lm. embed_q / unembed_out are per-head matmuls whose
 rows are the L tokens: in the kernels path each row is its own 1-row matmul (the decode step's call);
-in a fixed-row pass (target/fixed_rows.py) they run at the fixed row count like the other linears, and
+in a fixed-row pass (target_model/fixed_rows.py) they run at the fixed row count like the other linears, and
 the attention skips the pad rows. The attention is kernels "batch_attention" with its second score
 term; where it has no GPU kernel (the CPU), each row is mlx-lm's own decode-step call (the q_pe . k_pe
 scores as its additive mask over exactly the row's keys): equal to stock decoding by construction, and

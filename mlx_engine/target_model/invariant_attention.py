@@ -1,6 +1,6 @@
 """Attention in a batch-invariant pass: mlx-lm's `scaled_dot_product_attention`, wrapped.
 
-While a patched model runs (target/batch_invariant.py), a decode or verify pass's attention is computed
+While a patched model runs (target_model/batch_invariant.py), a decode or verify pass's attention is computed
 so that each query row gets the bits of its sequence's single-token decode step:
 
   * causal or unmasked attention over one sequence's cache: kernels "batch_attention" (one pass over
