@@ -9,7 +9,7 @@ import math
 
 import mlx_engine  # noqa: F401  (OpenBLAS before mlx)
 from mlx_engine.args import ArgumentParser, count
-from mlx_engine.cli import add_memory_args
+from mlx_engine.prepare import add_memory_args
 
 from .settings import DRAFTERS, Settings, settings_path
 

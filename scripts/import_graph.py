@@ -111,6 +111,7 @@ def cycles(g: dict[str, set[str]]) -> list[list[str]]:
 LAYERS = [  # top to bottom: a module may import its own floor's package or any floor below
     ("commands", ("app", "mlx_engine.__main__", "mlx_engine.cli", "mlx_engine.convert", "mlx_engine.bench",
                   "mlx_engine.serve", "mlx_engine.train")),
+    ("set-up", ("mlx_engine.prepare",)),  # the model and drafter the commands load, their shared flags
     ("engine", ("mlx_engine.core", "mlx_engine")),
     ("grammar", ("mlx_engine.grammar",)),
     ("drafters", ("mlx_engine.drafters",)),

@@ -186,7 +186,7 @@ def test_a_taken_port_is_refused_before_loading(monkeypatch):
     import socket
 
     import mlx_engine.serve.main as serve_main
-    from mlx_engine.cli import UsageError
+    from mlx_engine.prepare import UsageError
 
     monkeypatch.setattr(serve_main, "build_service", lambda args: pytest.fail("loaded before the port was bound"))
     p = argparse.ArgumentParser()

@@ -180,7 +180,7 @@ def test_fixed_row_invariance_is_refused_with_continuous_batching_before_loading
     import argparse
 
     import mlx_engine.models as models
-    from mlx_engine.cli import UsageError
+    from mlx_engine.prepare import UsageError
     from mlx_engine.serve.main import add_serve_args, build_service
 
     monkeypatch.setattr(models, "load", lambda *a, **kw: pytest.fail("loaded before the flags were checked"))

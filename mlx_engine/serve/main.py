@@ -49,7 +49,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batching", choices=BATCHING, default="auto",
                    help="continuous: batch concurrent requests (KV-cache models); fair: one at a time, first come "
                         "first served (any model); auto (default): continuous where the model allows")
-    from ..cli import add_memory_args
+    from ..prepare import add_memory_args
 
     add_memory_args(p, prefix_cache=True)
     p.add_argument("--distributed", choices=("pipeline", "tensor"), default=None,
@@ -72,7 +72,7 @@ def context_length(config: dict) -> int:
 
 def build_service(args):
     """Load, pick the worker, warm up. -> Service (its worker not yet started)."""
-    from ..cli import UsageError, load_within_budget, parse_num_draft
+    from ..prepare import UsageError, load_within_budget, parse_num_draft
     from ..core.engine import Engine
     from ..models import load
     from .app import Service
@@ -178,7 +178,7 @@ def beyond_loopback(host: str) -> bool:
 
 
 def run_serve(args) -> int:
-    from ..cli import UsageError
+    from ..prepare import UsageError
 
     if getattr(args, "distributed", None):
         from ..distributed.command import leads
