@@ -9,7 +9,7 @@ import tiny_models
 from mlx_engine import DraftModelDrafter, Engine, GenerationConfig, NgramDrafter, SamplingConfig, host
 from test_greedy_equality import PROMPT, noisy_copy, target
 
-LOOP_SOURCES = ["core", "sampling.py", "target", "drafters"]
+LOOP_SOURCES = ["core", "sampling.py", "target_model", "drafters"]
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3_next"])
