@@ -19,11 +19,12 @@ def visible(tokens, special: frozenset[int]) -> list[int]:
     return [t for t in tokens if t not in special]
 
 
-def decode(tokenizer, tokens, special: frozenset[int] | None = None) -> str:
-    """The text of `tokens` without special tokens."""
+def decode(tokenizer, tokens, special: frozenset[int] | None = None, keep_special: bool = False) -> str:
+    """The text of `tokens` without the `special` ones (default: every special token); keep_special: special
+    tokens not in `special` are decoded as their text (markers a reader looks for)."""
     special = special_ids(tokenizer) if special is None else special
     ids = visible(tokens, special)
     try:
-        return tokenizer.decode(ids, skip_special_tokens=True)
+        return tokenizer.decode(ids, skip_special_tokens=not keep_special)
     except TypeError:  # a tokenizer without the keyword
         return tokenizer.decode(ids)

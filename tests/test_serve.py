@@ -108,8 +108,6 @@ def test_stop_string(server):
     ({"messages": []}, 400, "messages"),
     ({"messages": [{"role": "user", "content": "hi"}], "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
     ({"messages": [{"role": "user", "content": "hi"}], "n": 2}, 400, "n"),
-    ({"model": "gpt-4", "messages": [{"role": "user", "content": "hi"}]}, 404, "model"),
-    ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 10**6}, 400, "max_tokens"),
 ])
 def test_errors_in_openai_shape(server, body, status, param):
     body = {"model": server.model, **body}
@@ -120,6 +118,23 @@ def test_errors_in_openai_shape(server, body, status, param):
     with pytest.raises(openai.APIStatusError) as e:  # the client raises the matching exception
         server.client().chat.completions.create(**body)
     assert e.value.status_code == status
+
+
+def test_agents_habits_another_model_name_and_a_max_tokens_beyond_the_context(server):
+    """Claude Code and Codex send their own model names: served by the one model (named in the answer);
+    --strict-model-name restores the 404. max_tokens 32000 (or a million) is cut to the context left."""
+    msgs = [{"role": "user", "content": "hi"}]
+    r = server.client().chat.completions.create(model="claude-sonnet-4-5", messages=msgs, max_tokens=4)
+    assert r.model == server.model and r.choices[0].message.content
+    server.service.strict_model_name = True
+    try:
+        bad = httpx.post(server.base + "/v1/chat/completions", json={"model": "gpt-4", "messages": msgs}, timeout=60)
+        assert bad.status_code == 404 and bad.json()["error"]["param"] == "model"
+    finally:
+        server.service.strict_model_name = False
+    big = server.client().chat.completions.create(model=server.model, messages=msgs, max_tokens=10**6)
+    assert big.choices[0].finish_reason in ("stop", "length")
+    assert big.usage.prompt_tokens + big.usage.completion_tokens <= server.service.context_length
 
 
 def test_malformed_json_and_prompt_longer_than_the_context(server):

@@ -64,8 +64,10 @@ def together(*calls):
     ({"stream": 1}, "stream", False),
     ({"stream_options": {"include_usage": "yes"}}, "stream_options", False),
     ({"n": 2}, "n", True),
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", True),
-    ({"tool_choice": "required"}, "tool_choice", True),
+    ({"tools": [{"type": "web_search"}]}, "tools", True),
+    ({"tools": [{"type": "function", "function": {"parameters": {}}}]}, "tools", False),
+    ({"tool_choice": "required"}, "tool_choice", False),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "sometimes"}, "tool_choice", False),
     ({"response_format": {"type": "xml"}}, "response_format", True),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": {"type": "strin"}}}},
      "response_format", False),
@@ -257,7 +259,7 @@ def test_every_chunk_of_a_stream_has_the_same_created(server, monkeypatch):
     import types
 
     clock = itertools.count(1_800_000_000)  # the app's wall clock ticks a second per reading here
-    monkeypatch.setattr("mlx_engine.serve.app.time",
+    monkeypatch.setattr("mlx_engine.serve.openai_api.time",
                         types.SimpleNamespace(time=lambda: next(clock), perf_counter=time.perf_counter))
     with httpx.stream("POST", server.base + "/v1/chat/completions", timeout=60, json={
             "model": server.model, "messages": HI, "max_tokens": 8, "stream": True,
@@ -275,7 +277,10 @@ def test_the_openai_client_raises_its_matching_errors(server):
     with pytest.raises(openai.BadRequestError, match="seed"):
         client.chat.completions.create(model=server.model, messages=HI, seed=-1)
     with pytest.raises(openai.BadRequestError, match="tools"):
-        client.chat.completions.create(model=server.model, messages=HI,
-                                       tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}])
-    with pytest.raises(openai.NotFoundError):
-        client.chat.completions.create(model="gpt-4", messages=HI)
+        client.chat.completions.create(model=server.model, messages=HI, tools=[{"type": "web_search"}])
+    server.service.strict_model_name = True
+    try:
+        with pytest.raises(openai.NotFoundError):
+            client.chat.completions.create(model="gpt-4", messages=HI)
+    finally:
+        server.service.strict_model_name = False

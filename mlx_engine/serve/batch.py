@@ -72,7 +72,7 @@ class BatchWorker(WorkerBase):
             try:
                 # a request's num_draft caps its own row's k; the batch's policy chooses within it
                 self.engine.add(job.id, req.prompt, req.max_tokens, req.sampling, req.seed, self.eos, req.num_draft,
-                                grammar=req.grammar)
+                                grammar=req.grammar, reasoning=req.answer is not None and req.answer.reasoning)
             except Exception as e:  # this request's failure: the others (running and queued) go on
                 self.fail(job, e)
                 continue

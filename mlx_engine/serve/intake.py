@@ -1,10 +1,10 @@
-"""What a request passes before it is queued: the API key, the body's size, UTF-8, JSON, the schema, the
-prompt's tokens. Each refusal is an APIError in OpenAI's shape (401, 413, 400), never a traceback.
+"""What a request passes before its adapter reads it: the API key, the body's size, UTF-8, JSON, the schema.
+Each refusal is an APIError (401, 413, 400), never a traceback.
 
 The body limit (`--max-body-bytes`, default 8 MiB) is checked on Content-Length before anything is read,
 and again while a chunked upload streams in, so an oversized body is never held in memory whole.
-Parsing and tokenizing run in a worker thread: a body of megabytes takes seconds to tokenize, and the
-event loop must stay free for /health and the other clients' streams."""
+Adapters parse (and turn.py tokenizes) in a worker thread: a body of megabytes takes seconds to tokenize,
+and the event loop must stay free for /health and the other clients' streams."""
 
 from __future__ import annotations
 
@@ -12,12 +12,8 @@ import hmac
 import json
 
 from pydantic import ValidationError
-from starlette.concurrency import run_in_threadpool
 
-from ..grammar import GrammarError, grammar_tokenizer
-from ..grammar.requests import from_response_format
 from .errors import APIError, error_response, invalid_request
-from .schemas import ChatRequest, CompletionRequest
 
 # 8 MiB: a whole 128k-token context as JSON text is ~0.5-1 MB (~4 bytes per token, some escaping); a
 # completions prompt of token ids ~7 bytes per id, so 8 MiB still carries ~1M ids. Beyond that a body
@@ -109,38 +105,3 @@ def encode_chat(tokenizer, messages) -> list[int]:
         return list(ids["input_ids"] if isinstance(ids, dict) else ids)
     text = "".join(f"{m['role']}: {m['content']}\n" for m in msgs) + "assistant: "
     return list(tokenizer.encode(text))
-
-
-def grammar_of(body, tokenizer, vocab_size: int):
-    """The request's grammar (mlx_engine/grammar), compiled against the model's tokenizer, or None; a
-    response_format the grammar engine cannot compile is a 400 naming what."""
-    if body.response_format.get("type", "text") == "text":
-        return None
-    try:
-        eos = list(getattr(tokenizer, "eos_token_ids", None) or ())
-        return from_response_format(body.response_format, grammar_tokenizer(tokenizer, vocab_size, eos))
-    except (GrammarError, ValueError) as e:
-        raise APIError(400, f"response_format: {e}", param="response_format") from None
-
-
-def _chat(raw: bytes, tokenizer, vocab_size: int):
-    body = parse(raw, ChatRequest)
-    return body, encode_chat(tokenizer, body.messages), grammar_of(body, tokenizer, vocab_size)
-
-
-def _completion(raw: bytes, tokenizer, vocab_size: int):
-    body = parse(raw, CompletionRequest)
-    grammar = grammar_of(body, tokenizer, vocab_size)
-    if isinstance(body.prompt, str):
-        return body, list(tokenizer.encode(body.prompt)), grammar
-    prompt = list(body.prompt)
-    if min(prompt) < 0 or max(prompt) >= vocab_size:
-        raise APIError(400, f"prompt token ids must be in [0, {vocab_size})", param="prompt")
-    return body, prompt, grammar
-
-
-async def take_request(http, chat: bool, tokenizer, vocab_size: int, limit: int):
-    """-> (validated body, prompt token ids, grammar or None); the parsing, tokenizing and grammar compiling
-    off the event loop."""
-    raw = await read_body(http, limit)
-    return await run_in_threadpool(_chat if chat else _completion, raw, tokenizer, vocab_size)

@@ -1,7 +1,9 @@
 """One request on its way through the engine thread. The engine thread turns token ids into text (stop
-strings included) and hands plain Python events to the HTTP side over an asyncio queue; the HTTP side
-cancels a job (the client left) by setting a flag the engine thread reads between steps. Every job ends
-with exactly one terminal event (Done or Failed), which releases its place in the server's queue."""
+strings included), splits it into reasoning, content and tool calls (toolcalls/stream.py), and hands plain
+Python events to the HTTP side over an asyncio queue: Text, CallStart, CallArgs (toolcalls.stream), then
+Done or Failed. The HTTP side cancels a job (the client left) by setting a flag the engine thread reads
+between steps. Every job ends with exactly one terminal event (Done or Failed), which releases its place
+in the server's queue."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import time
 from dataclasses import dataclass, field
 
 from ..sampling import SamplingConfig
+from ..toolcalls.stream import Splitter, Text
 from .stream import TextStream
 
 _ids = itertools.count(1)
@@ -25,17 +28,13 @@ class Request:
     seed: int = 0
     stop: list[str] = field(default_factory=list)
     num_draft: int | str | None = None  # None: the server's setting
-    grammar: object = None  # mlx_engine.grammar.Grammar (response_format), or None
-
-
-@dataclass(frozen=True)
-class Delta:
-    text: str
+    grammar: object = None  # mlx_engine.grammar.Grammar (response_format, a forced tool call), or None
+    answer: object = None  # serve.turn.AnswerSpec: how the answer is split (None: all content)
 
 
 @dataclass(frozen=True)
 class Done:
-    finish_reason: str  # "stop" (end of sequence or a stop string), "length", "cancelled"
+    finish_reason: str  # "stop" (end of sequence or a stop string), "length", "tool_calls", "cancelled"
     prompt_tokens: int
     completion_tokens: int
     speculation: dict
@@ -91,7 +90,11 @@ class Output:
         self.job = job
         self.eos = eos
         self.metrics = metrics  # metrics.ServeMetrics: time to first token, inter-token latency
-        self.stream = TextStream(tokenizer, special, job.request.stop)
+        answer = job.request.answer
+        keep = marker_ids(tokenizer, answer) if answer is not None else frozenset()
+        self.stream = TextStream(tokenizer, special - keep, job.request.stop, keep_special=bool(keep))
+        self.splitter = Splitter(answer.fmt, answer.think, answer.reasoning, list(answer.tools)) \
+            if answer is not None else None
         self.generated = 0
         self.finish_reason: str | None = None
         self.started = time.perf_counter()
@@ -112,21 +115,42 @@ class Output:
         if tokens:
             self.last_token_time = now
         self.generated += len(tokens)
-        delta = self.stream.add(tokens)
-        if delta:
-            self.job.put(Delta(delta))
+        self.job.generated = self.generated  # (the request log's line)
+        self._put(self.stream.add(tokens))
         if self.stream.stopped or (tokens and tokens[-1] in self.eos):
             self.finish_reason = "stop"
         elif self.generated >= self.job.request.max_tokens:
             self.finish_reason = "length"
         return self.finish_reason is not None
 
+    def _put(self, text: str, last: bool = False) -> None:
+        """Text on its way out: split (reasoning, content, calls) when the request has an answer spec."""
+        if self.splitter is None:
+            if text:
+                self.job.put(Text("content", text))
+            return
+        for event in self.splitter.feed(text) if text else []:
+            self.job.put(event)
+        if last:
+            for event in self.splitter.finish():
+                self.job.put(event)
+
     def finish(self, speculation: dict, reason: str | None = None) -> None:
-        rest = self.stream.finish() if not self.stream.stopped else ""
-        if rest:
-            self.job.put(Delta(rest))
+        self._put(self.stream.finish() if not self.stream.stopped else "", last=True)
         reason = reason or self.finish_reason or "length"
+        if reason == "stop" and self.splitter is not None and self.splitter.made_calls:
+            reason = "tool_calls"
         self.job.put(Done(reason, len(self.job.request.prompt), self.generated, speculation))
+
+
+def marker_ids(tokenizer, answer) -> frozenset[int]:
+    """Ids of the special tokens whose text the splitter reads (`<think>`, `<tool_call>`, DeepSeek's call
+    markers): kept in the text, where every other special token is dropped."""
+    from .turn import marker_texts
+
+    inner = getattr(tokenizer, "_tokenizer", tokenizer)
+    vocab = inner.get_vocab() if hasattr(inner, "get_vocab") else {}
+    return frozenset(vocab[m] for m in marker_texts(answer) if m in vocab)
 
 
 def speculation(drafted: int, accepted: int, cycles: int, generated: int, decode_time: float, drafter: str | None,

@@ -36,7 +36,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="requests decoded together in one batch (default 8); more wait in the queue")
     p.add_argument("--max-queue", type=count(1), default=64,
                    help="requests running or waiting before new ones get 503 (default 64)")
-    p.add_argument("--max-tokens", type=count(1), default=512, help="default max_tokens of a request (default 512)")
+    p.add_argument("--max-tokens", type=count(1), default=512,
+                   help="default max_tokens of a request (default 512); any max_tokens is cut to the context left")
+    p.add_argument("--strict-model-name", action="store_true",
+                   help="answer 404 to a request naming another model (default: the one model serves any name, "
+                        "as agents send their own model names)")
     p.add_argument("--max-body-bytes", type=count(1), default=DEFAULT_MAX_BODY_BYTES,
                    help="largest request body, in bytes (default 8 MiB: a whole 128k-token context fits many times "
                         "over); a larger one gets 413")
@@ -136,7 +140,8 @@ def build_service(args):
     if name.endswith(".gguf"):
         name = name[: -len(".gguf")]
     service = Service(name, loaded.tokenizer, context_length(loaded.config), loaded.vocab_size, worker, args.max_tokens,
-                      max_body_bytes=args.max_body_bytes, api_key=args.api_key, memory=budget)
+                      max_body_bytes=args.max_body_bytes, api_key=args.api_key, memory=budget,
+                      strict_model_name=args.strict_model_name)
     return service, kind
 
 
@@ -166,6 +171,22 @@ def make_server(service, args, port: int):
     config = uvicorn.Config(create_app(service), host=args.host, port=port, log_level="warning",
                             timeout_graceful_shutdown=args.shutdown_timeout)
     return uvicorn.Server(config)
+
+
+def request_log() -> None:
+    """The app's request log (one line per request, app.RequestLog) on stderr at info level."""
+    import logging
+
+    class Stderr(logging.StreamHandler):  # sys.stderr as it is when a line is written (tests swap it)
+        stream = property(lambda self: sys.stderr, lambda self, value: None)
+
+    logger = logging.getLogger("mlx_engine.serve")
+    if not logger.handlers:
+        handler = Stderr()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%H:%M:%S"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        logger.propagate = False
 
 
 def beyond_loopback(host: str) -> bool:
@@ -198,6 +219,7 @@ def run_serve(args) -> int:
         sock.close()
         raise
     service.worker.start()
+    request_log()
     server = make_server(service, args, port)
     if beyond_loopback(args.host) and not args.api_key:
         print(f"warning: listening on {args.host}, beyond this machine, with no API key: anyone who can reach port "

@@ -1,9 +1,11 @@
 """The request bodies of /v1/chat/completions and /v1/completions (pydantic), and what they ask of the
 engine. Every field is checked here, before anything is queued: JSON types as OpenAI documents them
 (strict: `true` is not a number, `2.0` is not an integer), ranges, and `null` wherever OpenAI allows it
-(null = the field's default). Fields this server cannot honour (`tools`, `n > 1`, `logprobs`, penalties
-other than `repetition_penalty`, ...) are refused with a 400 naming them instead of being ignored; fields
-with no effect on the output (`user`, `metadata`, ...) are ignored. `response_format` (text, json_object,
+(null = the field's default). Fields this server cannot honour (`n > 1`, `logprobs`, penalties other than
+`repetition_penalty`, ...) are refused with a 400 naming them instead of being ignored; fields with no
+effect on the output (`user`, `metadata`, ...) are ignored. Tools (`tools`, `tool_choice`,
+`parallel_tool_calls`, assistant `tool_calls` and `tool` messages) and reasoning (`reasoning_content` in the
+history, `chat_template_kwargs`, `reasoning_effort`) are taken (turn.py renders them). `response_format` (text, json_object,
 json_schema; regex and lark as extensions, on completions too) is checked for its shape here and compiled
 against the model's tokenizer in intake.py. Sampling extras beyond OpenAI's API: `top_k`, `min_p`,
 `repetition_penalty`, `num_draft`. The default
@@ -11,6 +13,7 @@ temperature is 0 (greedy), as in mlx-lm's server: a local server's default shoul
 
 from __future__ import annotations
 
+import json
 from typing import Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -151,6 +154,22 @@ class ChatMessage(BaseModel):
 
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: Union[str, list[dict], None] = None
+    tool_calls: list[dict] | None = None  # an assistant's calls: [{"id", "type": "function", "function": {...}}]
+    tool_call_id: str | None = None  # a tool message: the call it answers
+    name: str | None = None
+    reasoning_content: str | None = None  # an assistant's reasoning, sent back (DeepSeek's and vLLM's name)
+    reasoning: str | None = None  # the same, as mlx-lm and OpenRouter name it
+
+    @field_validator("tool_calls")
+    @classmethod
+    def _calls(cls, v):
+        for i, c in enumerate(v or []):
+            fn = c.get("function") if isinstance(c, dict) else None
+            if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+                raise ValueError(f"tool_calls[{i}] needs a 'function' object with a 'name'")
+            if not isinstance(fn.get("arguments", "{}"), (str, dict)):
+                raise ValueError(f"tool_calls[{i}].function.arguments must be a JSON string")
+        return v
 
     @field_validator("content")
     @classmethod
@@ -172,29 +191,71 @@ class ChatMessage(BaseModel):
             return "".join(p["text"] for p in self.content)
         return self.content or ""
 
+    def as_dict(self) -> dict:
+        """OpenAI's shape for turn.py: developer -> system, content parts joined, reasoning under one name."""
+        out = {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
+        if self.tool_calls:
+            out["tool_calls"] = [{**c, "function": {**c["function"], "arguments": c["function"]["arguments"]
+                                  if isinstance(c["function"].get("arguments", "{}"), str)
+                                  else json.dumps(c["function"]["arguments"])}} for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            out["name"] = self.name
+        if self.reasoning_content or self.reasoning:
+            out["reasoning_content"] = self.reasoning_content or self.reasoning
+        return out
+
 
 class ChatRequest(_Body):
     messages: list[ChatMessage] = Field(min_length=1)
     tools: list = Field(default_factory=list)
     functions: list = Field(default_factory=list)
-    tool_choice: Union[str, dict] = "none"
+    tool_choice: Union[str, dict] = "auto"
     function_call: Union[str, dict] = "none"
+    parallel_tool_calls: bool = True
+    chat_template_kwargs: dict = Field(default_factory=dict)
+    reasoning_effort: str | None = None
     logprobs: bool = False
     top_logprobs: int = Field(default=0, ge=0, le=20)
 
-    @field_validator("tools", "functions")
+    @field_validator("tools")
     @classmethod
-    def _no_tools(cls, v, info):
-        if v:
-            raise Unsupported(f"{info.field_name} (function calling) is not supported by this server")
+    def _tools(cls, v):
+        for i, t in enumerate(v):
+            fn = t.get("function") if isinstance(t, dict) else None
+            if not isinstance(t, dict) or t.get("type", "function") != "function" or not isinstance(fn, dict):
+                raise Unsupported(f"tools[{i}]: only function tools are supported")
+            if not isinstance(fn.get("name"), str) or not fn["name"]:
+                raise ValueError(f"tools[{i}].function needs a 'name'")
+            if not isinstance(fn.get("parameters", {}), dict):
+                raise ValueError(f"tools[{i}].function.parameters must be a JSON schema object")
         return v
 
-    @field_validator("tool_choice", "function_call")
+    @field_validator("functions", "function_call")
     @classmethod
-    def _no_tool_choice(cls, v, info):
-        if v not in ("none", "auto"):  # "auto" with no tools means none
-            raise Unsupported(f"{info.field_name} is not supported by this server (no function calling)")
+    def _no_functions(cls, v, info):
+        if v and v != "none":
+            raise Unsupported(f"{info.field_name} (the old function-calling fields) is not supported: use tools "
+                              f"and tool_choice")
         return v
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _tool_choice(cls, v, info):
+        if v not in ("none", "auto") and not info.data.get("tools"):
+            raise ValueError("tool_choice forces a call but no tools are given")
+        if isinstance(v, str) and v not in ("none", "auto", "required"):
+            raise ValueError(f"tool_choice must be none, auto, required or a function, got {v!r}")
+        if isinstance(v, dict) and not isinstance((v.get("function") or {}).get("name"), str):
+            raise ValueError("tool_choice names a function as {\"type\": \"function\", \"function\": {\"name\": ...}}")
+        return v
+
+    def template_kwargs(self) -> dict:
+        out = dict(self.chat_template_kwargs)
+        if self.reasoning_effort is not None:
+            out.setdefault("reasoning_effort", self.reasoning_effort)
+        return out
 
     @field_validator("logprobs", "top_logprobs")
     @classmethod

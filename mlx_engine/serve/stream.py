@@ -8,9 +8,12 @@ from .. import text as text_ops
 
 
 class TextStream:
-    def __init__(self, tokenizer, special: frozenset[int], stop: list[str] | None = None):
+    def __init__(self, tokenizer, special: frozenset[int], stop: list[str] | None = None, keep_special: bool = False):
+        """special: the ids dropped from the text; keep_special: other special tokens (markers a splitter
+        reads) are decoded as their text."""
         self.tokenizer = tokenizer
         self.special = special
+        self.keep_special = keep_special
         self.stop = [s for s in (stop or []) if s]
         self.ids: list[int] = []
         self.text = ""
@@ -22,7 +25,7 @@ class TextStream:
         if self.stopped:
             return ""
         self.ids += text_ops.visible(tokens, self.special)
-        self.text = text_ops.decode(self.tokenizer, self.ids, self.special)
+        self.text = text_ops.decode(self.tokenizer, self.ids, self.special, keep_special=self.keep_special)
         cut = self._find_stop()
         if cut is not None:
             self.stopped = True

@@ -172,6 +172,7 @@ class FairQueueWorker(WorkerBase):
         # progress per prefill chunk; a client that left stops the prefill at the next chunk
         cfg = GenerationConfig(max_tokens=req.max_tokens, num_draft=num_draft, sampling=req.sampling, seed=req.seed,
                                stop_tokens=self.eos, should_stop=lambda: job.cancelled, grammar=req.grammar,
+                               reasoning=req.answer is not None and req.answer.reasoning,
                                on_prefill=lambda done, total: self.progress.update(job.name, done, total))
         gen = engine.generate(req.prompt, cfg)
         try:

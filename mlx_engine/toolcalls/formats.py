@@ -1,0 +1,194 @@
+"""How a model family writes tool calls: the text that opens and closes them, how the text between parses
+into calls, and whether the model's own chat template renders tools and calls.
+
+- `json`: `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`, one block per call (Hermes,
+  Qwen2.5/3, Qwen3-Next, MiMo, SmolLM3; mlx-lm's json_tools). Also the generic form, for a template with
+  no tool section (the embedded SmolLM2): the server then describes the tools in the system message
+  (grammar/requests.tools_system_text) and renders earlier calls and results itself.
+- `deepseek_v3`: `<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\\n```json\\n{...}\\n```
+  <｜tool▁call▁end｜>...<｜tool▁calls▁end｜>` (DeepSeek-V3, R1), and V3.1's `<｜tool▁call▁begin｜>NAME
+  <｜tool▁sep｜>{...}<｜tool▁call▁end｜>`.
+- `llama3_json`: the whole answer one JSON object `{"name": ..., "parameters": {...}}`, optionally after
+  `<|python_tag|>` (Llama 3.1 / 3.2 JSON tool calling).
+- any of mlx-lm's own parsers (mlx_lm/tool_parsers: qwen3_coder, glm47, kimi_k2, mistral, pythonic,
+  minimax_m2, gemma4, ...), by the name mlx-lm infers from the template: used as they are.
+
+Arguments are kept as the text the model wrote (key order included): a history sent back with reordered
+keys would not match the cached prefix.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import re
+from dataclasses import dataclass
+from typing import Callable
+
+DS_CALLS_BEGIN, DS_CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
+DS_CALL_BEGIN, DS_CALL_END, DS_SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
+PYTHON_TAG = "<|python_tag|>"
+
+
+class ToolCallError(ValueError):
+    """Text between a format's markers that is not a call."""
+
+
+@dataclass(frozen=True)
+class Call:
+    name: str
+    arguments: str  # the JSON text of the arguments, as written
+
+
+@dataclass(frozen=True)
+class ToolFormat:
+    name: str
+    start: str  # the text that opens a call (a block of calls); "" = the whole answer (llama3_json)
+    end: str  # the text that closes it; "" = the end of the answer
+    native: bool  # the model's chat template renders tools, calls and results
+    parse: Callable[[str, list], list[Call]]  # the text between start and end -> its calls
+    streams_arguments: bool = False  # a JSON body {"name", "arguments"}: arguments stream in pieces
+
+
+def _json_text(value) -> str:
+    return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+
+
+def _raw_value(text: str, key: str) -> str | None:
+    """The JSON text of `key`'s value in the object `text`, as written (None when absent)."""
+    m = re.search(r'"' + re.escape(key) + r'"\s*:\s*', text)
+    if m is None:
+        return None
+    end = json_value_end(text, m.end())
+    return text[m.end() : end] if end is not None else None
+
+
+def json_value_end(text: str, at: int) -> int | None:
+    """Where the JSON value starting at `at` (after whitespace) ends, or None if `text` ends first."""
+    i = at
+    while i < len(text) and text[i] in " \t\r\n":
+        i += 1
+    if i >= len(text):
+        return None
+    depth, in_string, escaped = 0, False, False
+    first = text[i]
+    if first not in "{[\"":  # a number, true, false, null
+        m = re.compile(r"[^,}\]\s]*").match(text, i)
+        return m.end() if m.end() < len(text) else None
+    for j in range(i, len(text)):
+        c = text[j]
+        if in_string:
+            if escaped:
+                escaped = False
+            elif c == "\\":
+                escaped = True
+            elif c == '"':
+                in_string = False
+                if depth == 0:
+                    return j + 1
+            continue
+        if c == '"':
+            in_string = True
+        elif c in "{[":
+            depth += 1
+        elif c in "}]":
+            depth -= 1
+            if depth == 0:
+                return j + 1
+    return None
+
+
+def parse_json_call(body: str, tools=None) -> list[Call]:
+    """`{"name": ..., "arguments": {...}}` (or "parameters"), the arguments' text kept as written."""
+    try:
+        obj = json.loads(body)
+    except json.JSONDecodeError as e:
+        raise ToolCallError(f"a tool call that is not JSON: {e}") from None
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        raise ToolCallError("a tool call without a name")
+    key = "arguments" if "arguments" in obj else "parameters"
+    raw = _raw_value(body, key)
+    args = obj.get(key, {})
+    if isinstance(args, str):  # arguments sent as a JSON string
+        return [Call(obj["name"], args)]
+    return [Call(obj["name"], raw if raw is not None else _json_text(args))]
+
+
+def parse_deepseek(block: str, tools=None) -> list[Call]:
+    calls = []
+    for part in block.split(DS_CALL_BEGIN)[1:]:
+        part = part.split(DS_CALL_END)[0]
+        if DS_SEP not in part:
+            raise ToolCallError("a DeepSeek tool call without its separator")
+        head, rest = part.split(DS_SEP, 1)
+        if head.strip() == "function":  # V3 / R1: function<sep>NAME\n```json\n{...}\n```
+            name, _, body = rest.partition("\n")
+            body = re.sub(r"^\s*```(?:json)?\s*|\s*```\s*$", "", body)
+        else:  # V3.1: NAME<sep>{...}
+            name, body = head, rest
+        body = body.strip()
+        try:
+            json.loads(body)
+        except json.JSONDecodeError as e:
+            raise ToolCallError(f"DeepSeek tool call arguments that are not JSON: {e}") from None
+        calls.append(Call(name.strip(), body))
+    if not calls:
+        raise ToolCallError("a DeepSeek tool-call block without calls")
+    return calls
+
+
+def parse_llama3(text: str, tools=None) -> list[Call]:
+    text = text.strip()
+    if text.startswith(PYTHON_TAG):
+        text = text[len(PYTHON_TAG):].strip()
+    calls = []
+    for piece in [p for p in re.split(r";\s*(?=\{)", text) if p.strip()]:  # several calls: "; "-separated
+        calls += parse_json_call(piece, tools)
+    return calls
+
+
+JSON = ToolFormat("json", "<tool_call>", "</tool_call>", True, parse_json_call, streams_arguments=True)
+GENERIC = ToolFormat("generic", "<tool_call>", "</tool_call>", False, parse_json_call, streams_arguments=True)
+DEEPSEEK = ToolFormat("deepseek_v3", DS_CALLS_BEGIN, DS_CALLS_END, True, parse_deepseek)
+LLAMA3 = ToolFormat("llama3_json", "", "", True, parse_llama3)
+
+
+def mlx_lm_format(module_name: str) -> ToolFormat:
+    """One of mlx-lm's tool parsers (mlx_lm/tool_parsers/NAME.py), as a format."""
+    mod = importlib.import_module(f"mlx_lm.tool_parsers.{module_name}")
+
+    def parse(body: str, tools=None) -> list[Call]:
+        try:
+            out = mod.parse_tool_call(body, tools)
+        except Exception as e:  # each parser raises its own errors on text that is not a call
+            raise ToolCallError(f"{module_name}: {e}") from None
+        out = out if isinstance(out, list) else [out]
+        return [Call(c["name"], _json_text(c.get("arguments", {}))) for c in out]
+
+    return ToolFormat(module_name, mod.tool_call_start, mod.tool_call_end, True, parse)
+
+
+def _template(tokenizer) -> str:
+    t = getattr(tokenizer, "chat_template", None)
+    return t if isinstance(t, str) else ""
+
+
+def detect(tokenizer) -> ToolFormat:
+    """The format of this model: read from its chat template (and mlx-lm's own inference)."""
+    template = _template(tokenizer)
+    if "tool▁calls▁begin" in template:
+        return DEEPSEEK
+    if PYTHON_TAG in template and "parameters" in template:
+        return LLAMA3
+    name = None
+    try:  # mlx-lm's inference from the template and vocabulary (a private helper: its absence is no error)
+        from mlx_lm.tokenizer_utils import _infer_tool_parser
+
+        name = _infer_tool_parser(getattr(tokenizer, "_tokenizer", tokenizer))
+    except Exception:
+        name = None
+    if name and name != "json_tools":
+        return mlx_lm_format(name)
+    if "tools" in template and "<tool_call>" in template:
+        return JSON
+    return GENERIC

@@ -1,0 +1,74 @@
+"""A conversation with tools, as the model reads it: through its own chat template when the template has a
+tool section, else in the generic form (the tools described in the system message, earlier calls written
+as `<tool_call>` blocks in the assistant's text, results as `<tool_response>` blocks in a user message).
+
+Messages are OpenAI's chat shapes as dicts: {"role", "content", "tool_calls": [{"id", "function":
+{"name", "arguments"}}], "tool_call_id", "name", "reasoning_content"}. A call's arguments reach the template
+as the object the model wrote, its key order kept (json.loads keeps it), so the history renders as it was
+generated and the prefix cache still matches.
+"""
+
+from __future__ import annotations
+
+import json
+
+from ..grammar.requests import CALL_CLOSE, CALL_OPEN, tools_system_text
+from .formats import ToolFormat
+
+RESULT_OPEN, RESULT_CLOSE = "<tool_response>", "</tool_response>"
+
+
+def _arguments(text):
+    if not isinstance(text, str):
+        return text
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text  # the client's own text: passed as it is
+
+
+def _native(messages: list[dict]) -> list[dict]:
+    out = []
+    for m in messages:
+        m = {k: v for k, v in m.items() if v is not None}
+        if m.get("tool_calls"):
+            m["tool_calls"] = [{"id": c.get("id"), "type": "function",
+                                "function": {"name": c["function"]["name"],
+                                             "arguments": _arguments(c["function"].get("arguments", "{}"))}}
+                               for c in m["tool_calls"]]
+            m.setdefault("content", "")
+        out.append(m)
+    return out
+
+
+def _generic(messages: list[dict], tools: list[dict] | None) -> list[dict]:
+    out = []
+    for m in messages:
+        role, content = m["role"], m.get("content") or ""
+        if role == "tool":
+            text = f"{RESULT_OPEN}\n{content}\n{RESULT_CLOSE}"
+            if out and out[-1]["role"] == "user" and out[-1]["content"].endswith(RESULT_CLOSE):
+                out[-1] = {"role": "user", "content": out[-1]["content"] + "\n" + text}  # results of one turn
+            else:
+                out.append({"role": "user", "content": text})
+            continue
+        if role == "assistant" and m.get("tool_calls"):
+            calls = [f'{CALL_OPEN}\n{{"name": {json.dumps(c["function"]["name"])}, "arguments": '
+                     f'{c["function"].get("arguments") or "{}"}}}\n{CALL_CLOSE}' for c in m["tool_calls"]]
+            content = "\n".join(([content] if content else []) + calls)
+        out.append({"role": role, "content": content})
+    if tools:
+        section = tools_system_text(tools)
+        if out and out[0]["role"] == "system":
+            out[0] = {"role": "system", "content": out[0]["content"] + "\n\n" + section}
+        else:
+            out.insert(0, {"role": "system", "content": section})
+    return out
+
+
+def template_input(messages: list[dict], fmt: ToolFormat, tools: list[dict] | None) -> tuple[list[dict], dict]:
+    """(the messages for the chat template, its extra arguments): `tools` for a native template; none given
+    (tool_choice "none") renders the calls and results of the history all the same."""
+    if fmt.native:
+        return _native(messages), ({"tools": tools} if tools else {})
+    return _generic(messages, tools), {}
