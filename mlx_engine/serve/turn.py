@@ -100,7 +100,13 @@ def _render(turn: Turn, tokenizer, fmt: ToolFormat) -> list[int]:
         text = "".join(f"{m['role']}: {m.get('content') or ''}\n" for m in messages) + "assistant: "
         return list(tokenizer.encode(text))
     try:
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **kwargs)
+        try:
+            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **kwargs)
+        except TypeError:  # a template that concatenates a call's arguments as text (DeepSeek-V3's)
+            if not any(m.get("tool_calls") for m in messages):
+                raise
+            messages, _ = template_input(turn.messages, fmt, turn.offered, arguments_as_text=True)
+            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **kwargs)
     except Exception as e:
         if type(e).__module__.startswith("jinja2"):  # the template refused the conversation (e.g. roles)
             raise APIError(400, f"the model's chat template refused these messages: {e}", param="messages") \

@@ -27,14 +27,15 @@ def _arguments(text):
         return text  # the client's own text: passed as it is
 
 
-def _native(messages: list[dict]) -> list[dict]:
+def _native(messages: list[dict], as_text: bool) -> list[dict]:
     out = []
     for m in messages:
         m = {k: v for k, v in m.items() if v is not None}
         if m.get("tool_calls"):
             m["tool_calls"] = [{"id": c.get("id"), "type": "function",
                                 "function": {"name": c["function"]["name"],
-                                             "arguments": _arguments(c["function"].get("arguments", "{}"))}}
+                                             "arguments": (c["function"].get("arguments") or "{}") if as_text
+                                             else _arguments(c["function"].get("arguments", "{}"))}}
                                for c in m["tool_calls"]]
             m.setdefault("content", "")
         out.append(m)
@@ -66,9 +67,12 @@ def _generic(messages: list[dict], tools: list[dict] | None) -> list[dict]:
     return out
 
 
-def template_input(messages: list[dict], fmt: ToolFormat, tools: list[dict] | None) -> tuple[list[dict], dict]:
+def template_input(messages: list[dict], fmt: ToolFormat, tools: list[dict] | None,
+                   arguments_as_text: bool = False) -> tuple[list[dict], dict]:
     """(the messages for the chat template, its extra arguments): `tools` for a native template; none given
-    (tool_choice "none") renders the calls and results of the history all the same."""
+    (tool_choice "none") renders the calls and results of the history all the same. A call's arguments go
+    to the template as an object (transformers' convention, Qwen's and Llama's templates) or, when
+    `arguments_as_text`, as the JSON text (DeepSeek-V3's template concatenates them as a string)."""
     if fmt.native:
-        return _native(messages), ({"tools": tools} if tools else {})
+        return _native(messages, arguments_as_text), ({"tools": tools} if tools else {})
     return _generic(messages, tools), {}

@@ -155,17 +155,17 @@ class Splitter:
         return False
 
     def _content(self, out: list, text: str) -> None:
+        """Content text out, its trailing whitespace held: dropped when a call follows, else sent with the
+        next content (or at the end of an answer with no calls)."""
+        text = self.pending_space + text
         if self.after_reasoning:  # the blank lines between the reasoning and the answer
             text = text.lstrip()
             self.after_reasoning = not text
-        if not text:
-            return
-        if not text.strip():
-            self.pending_space += text
-            return
-        self.started = True
-        out.append(Text("content", self.pending_space + text))
-        self.pending_space = ""
+        body = text.rstrip()
+        self.pending_space = text[len(body):]
+        if body:
+            self.started = True
+            out.append(Text("content", body))
 
     def _open_call(self) -> None:
         self.state, self.body, self.args_sent, self.args_at = "call", "", 0, None

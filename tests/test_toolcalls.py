@@ -1,0 +1,177 @@
+"""Tool calls per family (mlx_engine/toolcalls): text in each family's published format parses into calls
+(arguments kept as written, key order included); an answer split at every point of its text gives the same
+reasoning, content and calls as the whole (streamed deltas reassemble to the non-streamed call);
+conversations with calls and results render through each family's template (tests/toolcall_templates.py)
+and round-trip: the rendered call parses back into the same call; the family is detected from its
+template; a forced call's grammar writes the family's own format."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+from mlx_lm.tokenizer_utils import TokenizerWrapper
+from transformers import PreTrainedTokenizerFast
+
+import grammar_util as gu
+from mlx_engine.toolcalls import CallArgs, CallStart, Splitter, Text, detect, template_input
+from mlx_engine.toolcalls.formats import DEEPSEEK, GENERIC, JSON, LLAMA3, mlx_lm_format
+from mlx_engine.toolcalls.grammars import forced_call
+from toolcall_templates import DEEPSEEK_TEMPLATE, JSON_TEMPLATE, LLAMA3_TEMPLATE
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
+                                            "parameters": {"type": "object", "properties": {
+                                                "city": {"type": "string"}, "unit": {"enum": ["c", "f"]}},
+                                                "required": ["city", "unit"], "additionalProperties": False}}}
+ADD = {"type": "function", "function": {"name": "add", "parameters": {
+    "type": "object", "properties": {"b": {"type": "integer"}, "a": {"type": "integer"}}, "required": ["b", "a"]}}}
+
+# the published formats (families' model cards and templates), each with the calls it holds
+PUBLISHED = [
+    (JSON, 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}\n'
+           '</tool_call>\n<tool_call>\n{"name": "add", "arguments": {"b": 2, "a": 1}}\n</tool_call>',
+     "Let me check.", [("get_weather", '{"city": "Paris", "unit": "c"}'), ("add", '{"b": 2, "a": 1}')]),
+    (DEEPSEEK, 'Checking.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n'
+               '{"city": "Paris", "unit": "c"}\n```<｜tool▁call▁end｜>\n<｜tool▁call▁begin｜>function<｜tool▁sep｜>add\n'
+               '```json\n{"b": 2, "a": 1}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>',
+     "Checking.", [("get_weather", '{"city": "Paris", "unit": "c"}'), ("add", '{"b": 2, "a": 1}')]),
+    (DEEPSEEK, '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Oslo", "unit": "f"}'
+               '<｜tool▁call▁end｜><｜tool▁calls▁end｜>',  # V3.1's form
+     "", [("get_weather", '{"city": "Oslo", "unit": "f"}')]),
+    (LLAMA3, '{"name": "get_weather", "parameters": {"city": "Paris", "unit": "c"}}', "",
+     [("get_weather", '{"city": "Paris", "unit": "c"}')]),
+    (LLAMA3, '<|python_tag|>{"name": "add", "parameters": {"b": 2, "a": 1}}', "", [("add", '{"b": 2, "a": 1}')]),
+    (mlx_lm_format("qwen3_coder"), '<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n'
+                                   '<parameter=unit>\nc\n</parameter>\n</function>\n</tool_call>', "",
+     [("get_weather", '{"city": "Paris", "unit": "c"}')]),
+    (mlx_lm_format("glm47"), '<tool_call>get_weather<arg_key>city</arg_key><arg_value>Paris</arg_value>'
+                             '<arg_key>unit</arg_key><arg_value>c</arg_value></tool_call>', "",
+     [("get_weather", '{"city": "Paris", "unit": "c"}')]),
+]
+
+
+def split(fmt, text, cuts, think=None, reasoning=False, tools=(WEATHER, ADD)):
+    """Feed `text` cut at `cuts`; -> (reasoning, content, [(name, arguments)], the events)."""
+    s = Splitter(fmt, think, reasoning, list(tools))
+    events, at = [], 0
+    for c in sorted(cuts) + [len(text)]:
+        events += s.feed(text[at:c])
+        at = c
+    events += s.finish()
+    out = {"reasoning": "", "content": ""}
+    calls = []
+    for e in events:
+        if isinstance(e, Text):
+            out[e.kind] += e.text
+        elif isinstance(e, CallStart):
+            assert e.index == len(calls) and e.id.startswith("call_")
+            calls.append([e.name, ""])
+        elif isinstance(e, CallArgs):
+            calls[e.index][1] += e.text
+    return out["reasoning"], out["content"], [tuple(c) for c in calls], events
+
+
+@pytest.mark.parametrize("fmt,text,content,calls", PUBLISHED, ids=[p[0].name for p in PUBLISHED])
+def test_published_formats_parse_into_calls_split_anywhere(fmt, text, content, calls):
+    whole = split(fmt, text, [])
+    assert whole[:3] == ("", content, calls)
+    rng = random.Random(0)
+    for n in list(range(1, len(text))) + [None] * 20:  # every single cut, then random many-cut splits
+        cuts = [n] if n is not None else rng.sample(range(1, len(text)), min(len(text) - 1, rng.randint(2, 30)))
+        assert split(fmt, text, cuts)[:3] == whole[:3], cuts
+
+
+def test_json_calls_stream_the_name_first_then_the_arguments_in_pieces():
+    text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}\n</tool_call>'
+    _, _, calls, events = split(JSON, text, list(range(1, len(text))))  # a character at a time
+    kinds = [type(e).__name__ for e in events]
+    assert kinds[0] == "CallStart" and kinds.count("CallArgs") > 10  # arguments as they come
+    assert calls == [("get_weather", '{"city": "Paris", "unit": "c"}')]
+
+
+def test_reasoning_is_split_off_and_markers_inside_it_are_text():
+    think = ("<think>", "</think>")
+    text = 'I should call <tool_call> maybe.\n</think>\n\n<tool_call>\n{"name": "add", "arguments": {"b": 1, "a": 2}}\n</tool_call>'
+    for cuts in ([], list(range(1, len(text), 3)), [5, 17, 40]):
+        reasoning, content, calls, _ = split(JSON, text, cuts, think, reasoning=True)
+        assert reasoning == "I should call <tool_call> maybe.\n" and content == ""
+        assert calls == [("add", '{"b": 1, "a": 2}')]
+    opened = "<think>hmm</think>The answer is 4."  # the model opens its reasoning itself
+    assert split(JSON, opened, [3, 9], think)[:3] == ("hmm", "The answer is 4.", [])
+    assert split(None, "no tools <tool_call>{}</tool_call>", [4])[:3] == ("", "no tools <tool_call>{}</tool_call>", [])
+
+
+def test_text_between_markers_that_is_no_call_stays_content():
+    text = "Use <tool_call>not json</tool_call> here"
+    for cuts in ([], [4], [3, 4, 5], list(range(1, len(text)))):
+        assert split(JSON, text, cuts)[:3] == ("", text, [])
+
+
+def _tokenizer(template: str):
+    hf = PreTrainedTokenizerFast(tokenizer_object=gu.tokenizer(), eos_token="<|im_end|>")
+    hf.chat_template = template
+    return TokenizerWrapper(hf)
+
+
+HISTORY = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Weather in Paris, and 2 + 1?"},
+    {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"unit": "c", "city": "Paris"}'}},
+        {"id": "call_2", "type": "function", "function": {"name": "add", "arguments": '{"b": 2, "a": 1}'}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "18 C, sunny"},
+    {"role": "tool", "tool_call_id": "call_2", "content": "3"},
+]
+
+
+@pytest.mark.parametrize("template,fmt", [(JSON_TEMPLATE, JSON), (DEEPSEEK_TEMPLATE, DEEPSEEK), (LLAMA3_TEMPLATE, LLAMA3),
+                                          (None, GENERIC)], ids=["json", "deepseek_v3", "llama3_json", "generic"])
+def test_a_history_with_calls_and_results_renders_through_the_family_s_template(template, fmt):
+    from mlx_engine.serve.turn import Turn, prepare
+
+    tok = _tokenizer(template or "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
+                                 "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    assert detect(tok) is fmt
+    prepared = prepare(Turn("m", messages=HISTORY, tools=[WEATHER, ADD]), tok, gu.VOCAB)
+    text = tok.decode(prepared.prompt, skip_special_tokens=False)
+    assert "18 C, sunny" in text and "Be brief." in text and "get_weather" in text
+    assert '{"unit": "c", "city": "Paris"}' in text  # the arguments' key order as the model wrote them
+    if fmt is not LLAMA3:  # (Llama 3's template writes each call alone, as its JSON)
+        calls = [c for c in _calls_in(text, fmt)]
+        assert calls == [("get_weather", '{"unit": "c", "city": "Paris"}'), ("add", '{"b": 2, "a": 1}')]
+    assert prepared.answer.fmt is fmt
+
+
+def _calls_in(text: str, fmt) -> list:
+    """The calls in a rendered prompt, read back by the format's own splitter."""
+    start = text.index(fmt.start)
+    end = text.rindex(fmt.end) + len(fmt.end)
+    return split(fmt, text[start:end], [])[2]
+
+
+@pytest.mark.parametrize("fmt", [JSON, GENERIC, DEEPSEEK, LLAMA3], ids=lambda f: f.name)
+def test_a_forced_call_s_grammar_writes_the_family_s_format(fmt):
+    """Walk the grammar to its end (a valid call of `add`), then parse the text as the family's call."""
+    import numpy as np
+
+    small = {"type": "function", "function": {"name": "add", "parameters": {
+        "type": "object", "properties": {"b": {"type": "integer", "minimum": 0, "maximum": 9},
+                                         "a": {"type": "integer", "minimum": 0, "maximum": 9}},
+        "required": ["b", "a"], "additionalProperties": False}}}
+    g = forced_call(fmt, [small], gu.llg_tokenizer(), parallel=False)
+    m, out = g.matcher(), []
+    rng = np.random.default_rng(1)
+    while not m.complete and len(out) < 400:
+        forced = m.forced()
+        if forced:
+            m.consume(forced)
+            out += forced
+            continue
+        bits = np.unpackbits(m.mask()[0].view(np.uint8), bitorder="little")[: gu.VOCAB]
+        allowed = [t for t in np.flatnonzero(bits) if t not in m.eos]
+        out.append(int(rng.choice(allowed)))
+        m.consume(out[-1:])
+    assert m.complete
+    calls = split(fmt, gu.decode(out), [])[2]
+    assert len(calls) == 1 and calls[0][0] == "add" and set(json.loads(calls[0][1])) == {"a", "b"}
