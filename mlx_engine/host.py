@@ -14,6 +14,14 @@ def read(x: mx.array) -> list:
     return x.tolist()
 
 
+def read_all(*arrays: mx.array) -> list[list]:
+    """Evaluate several arrays together and bring each to the host: ONE host synchronisation (a cycle's
+    verdict and the logprobs of its tokens, whose dtypes differ)."""
+    counts["read"] += 1
+    mx.eval(*arrays)
+    return [a.tolist() for a in arrays]
+
+
 def wait(*arrays) -> None:
     """Evaluate arrays and block until done (prefill chunks, profiling boundaries)."""
     counts["wait"] += 1

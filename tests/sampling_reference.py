@@ -4,8 +4,12 @@ Nothing here imports mlx_engine.sampling: the distribution tests compare the eng
 definitions, so a bug in the engine's sampler cannot sit on both sides.
 
 Definitions (the order of mlx_engine/sampling.py's docstring, which is the contract):
+    logit bias: logit[t] += bias[t] (OpenAI's logit_bias);
     repetition penalty: every token among the last `window` tokens of the history has its logit divided by
         the penalty if positive, multiplied by it if negative (CTRL, mlx-lm);
+    presence and frequency penalties (OpenAI, as vLLM applies them): logit[t] -= presence * (count[t] > 0)
+        + frequency * count[t], count[t] the occurrences of t among the tokens generated so far (the prompt
+        not counted, the whole answer counted);
     temperature T: logits / T;
     top-k: keep the k largest;
     top-p: keep the smallest set of most probable tokens whose probability sums to >= p (a token is kept
@@ -31,10 +35,45 @@ def penalize(logits: np.ndarray, history, penalty: float, window: int) -> np.nda
     return out
 
 
+def bias(logits: np.ndarray, logit_bias=()) -> np.ndarray:
+    """logit[t] + bias[t]; `logit_bias` a dict {id: bias} or (id, bias) pairs."""
+    out = np.array(logits, dtype=np.float64)
+    for t, b in (logit_bias.items() if isinstance(logit_bias, dict) else logit_bias):
+        out[int(t)] += b
+    return out
+
+
+def count_penalize(logits: np.ndarray, generated, presence: float = 0.0, frequency: float = 0.0) -> np.ndarray:
+    """logit[t] - (presence * (count[t] > 0) + frequency * count[t]), counts over `generated`."""
+    out = np.array(logits, dtype=np.float64)
+    count = np.zeros(len(out))
+    for t in generated:
+        count[int(t)] += 1
+    return out - (presence * (count > 0) + frequency * count)
+
+
+def process(logits, history=(), generated=(), repetition_penalty=1.0, repetition_context=20, presence_penalty=0.0,
+            frequency_penalty=0.0, logit_bias=()) -> np.ndarray:
+    """The logit processors in order (float64): logit bias, repetition penalty (`history`: the prompt and the
+    tokens generated), presence and frequency penalties (`generated`: the tokens generated alone)."""
+    x = penalize(bias(logits, logit_bias), history, repetition_penalty, repetition_context)
+    return count_penalize(x, generated, presence_penalty, frequency_penalty)
+
+
+def process_of(cfg, logits, history=(), generated=()) -> np.ndarray:
+    """`process` with the fields of a SamplingConfig."""
+    return process(logits, history, generated, cfg.repetition_penalty, cfg.repetition_context,
+                   getattr(cfg, "presence_penalty", 0.0), getattr(cfg, "frequency_penalty", 0.0),
+                   getattr(cfg, "logit_bias", ()))
+
+
 def distribution(logits, history=(), temperature=1.0, top_k=0, top_p=1.0, min_p=0.0,
-                 repetition_penalty=1.0, repetition_context=20) -> np.ndarray:
-    """The target's sampling distribution over the vocabulary for one position (temperature > 0)."""
-    x = penalize(logits, history, repetition_penalty, repetition_context) / temperature
+                 repetition_penalty=1.0, repetition_context=20, generated=(), presence_penalty=0.0,
+                 frequency_penalty=0.0, logit_bias=()) -> np.ndarray:
+    """The target's sampling distribution over the vocabulary for one position (temperature > 0).
+    `history`: the prompt and the tokens generated before the position; `generated`: those tokens alone."""
+    x = process(logits, history, generated, repetition_penalty, repetition_context, presence_penalty,
+                frequency_penalty, logit_bias) / temperature
     keep = np.ones(x.shape, bool)
     if 0 < top_k < len(x):
         keep &= x >= np.sort(x)[::-1][top_k - 1]
@@ -52,10 +91,13 @@ def distribution(logits, history=(), temperature=1.0, top_k=0, top_p=1.0, min_p=
     return p
 
 
-def distribution_of(cfg, logits, history) -> np.ndarray:
-    """`distribution` with the fields of a SamplingConfig (read as plain attributes)."""
+def distribution_of(cfg, logits, history, generated=()) -> np.ndarray:
+    """`distribution` with the fields of a SamplingConfig (read as plain attributes; `generated`: the tokens
+    of `history` after the prompt, which the presence and frequency penalties count)."""
     return distribution(logits, history, cfg.temperature, cfg.top_k, cfg.top_p, cfg.min_p,
-                        cfg.repetition_penalty, cfg.repetition_context)
+                        cfg.repetition_penalty, cfg.repetition_context, generated,
+                        getattr(cfg, "presence_penalty", 0.0), getattr(cfg, "frequency_penalty", 0.0),
+                        getattr(cfg, "logit_bias", ()))
 
 
 def _softmax(x: np.ndarray, keep: np.ndarray) -> np.ndarray:

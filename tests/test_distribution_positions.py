@@ -195,13 +195,14 @@ def generate_many(engine, prompt, cfg: SamplingConfig, k: int, runs: int, max_to
 
 
 def reference_probs(model, prompt, tokens: np.ndarray, cfg: SamplingConfig) -> np.ndarray:
-    """[runs, T, V]: the target distribution of each generated token given prompt + the tokens before it."""
+    """[runs, T, V]: the target distribution of each generated token given prompt + the tokens before it (the
+    presence and frequency penalties count the generated ones alone)."""
     seqs = np.concatenate([np.tile(prompt, (len(tokens), 1)), tokens[:, :-1]], axis=1)
     logits = np.array(model(mx.array(seqs)).astype(mx.float32))[:, len(prompt) - 1 :]
     out = np.zeros(logits.shape, np.float64)
     for r in range(len(tokens)):
         for i in range(tokens.shape[1]):
-            out[r, i] = distribution_of(cfg, logits[r, i], list(seqs[r, : len(prompt) + i]))
+            out[r, i] = distribution_of(cfg, logits[r, i], list(seqs[r, : len(prompt) + i]), list(tokens[r, :i]))
     return out
 
 
