@@ -14,10 +14,10 @@ from .drafters.draft_model import DraftModelDrafter  # noqa: E402
 from .drafters.ngram import NgramDrafter  # noqa: E402
 from .core.engine import Engine, GenerationConfig, Step  # noqa: E402
 from .models import LoadedModel, ModelLoadError, load  # noqa: E402
-from .sampling import SamplingConfig  # noqa: E402
+from .sampling import SamplingConfig, TokenLogprob  # noqa: E402
 from .core.stats import SpecStats  # noqa: E402
 
 __all__ = [
     "Draft", "Drafter", "DraftModelDrafter", "Engine", "GenerationConfig", "LoadedModel", "ModelLoadError",
-    "NgramDrafter", "SamplingConfig", "SpecStats", "Step", "Verdict", "load",
+    "NgramDrafter", "SamplingConfig", "SpecStats", "Step", "TokenLogprob", "Verdict", "load",
 ]

@@ -35,7 +35,7 @@ import mlx.core as mx
 from .. import host
 from ..drafters.base import hidden_request
 from ..drafters.mtp.batched import BatchedMTP, batchable_mtp
-from ..sampling import SamplingConfig
+from ..sampling import SamplingConfig, check_logprobs, host_logprobs, logprob_rows, row_counts, token_counts
 from ..target_model import prefix_cache as prefix_ops
 from ..target_model.batch_cache import BatchKVCache, batchable
 from ..target_model.cache import check_kv_quantization
@@ -157,13 +157,15 @@ class BatchEngine(BatchRows):
 
     def add(self, seq_id, prompt: list[int], max_tokens: int, sampling: SamplingConfig | None = None, seed: int = 0,
             stop_tokens: frozenset[int] = frozenset(), num_draft: int | str | None = None, grammar=None,
-            reasoning: bool = False, grammar_drafts: bool = True) -> None:
+            reasoning: bool = False, grammar_drafts: bool = True, logprobs: int | None = None) -> None:
         """Queue a new sequence: the next steps prefill it (a chunk per step, inside the batch's pass) and
         its first token comes out of the step that feeds its last prompt token. `num_draft`: this request's
         ceiling on its draft length per step (0: it never drafts; None or "auto": the batch's choice).
         `grammar` (mlx_engine/grammar): every token it emits is one the grammar allows (core/batch_grammar.py);
         `reasoning`: its answer opens inside the model's reasoning (the grammar waits for the end marker);
-        `grammar_drafts`: the grammar's forced tokens drafted (off: its masks and cuts only)."""
+        `grammar_drafts`: the grammar's forced tokens drafted (off: its masks and cuts only).
+        `logprobs` (None: off; 0: each token's; n in 1..20: and the n most likely): Output.logprobs, the
+        target's log-probabilities of its tokens, read with the step's one host read."""
         if self.supported is not None:
             raise ValueError(f"this model cannot be batched: {self.supported}")
         if self.free_slots() <= 0:
@@ -173,12 +175,15 @@ class BatchEngine(BatchRows):
         if num_draft not in (None, "auto") and (not isinstance(num_draft, int) or num_draft < 0):
             raise ValueError(f"num_draft must be an integer >= 0 or 'auto', got {num_draft!r}")
         self.check(prompt, max_tokens)
-        seq = RunningSequence(seq_id, list(prompt), max_tokens, sampling or SamplingConfig(), frozenset(stop_tokens),
+        check_logprobs(logprobs)
+        sampling = sampling or SamplingConfig()
+        sampling.check_vocab(self.target.vocab_size)
+        seq = RunningSequence(seq_id, list(prompt), max_tokens, sampling, frozenset(stop_tokens),
                               mx.random.key(seed), None, list(prompt), -1,
                               max_draft=None if num_draft in (None, "auto") else int(num_draft),
                               evidence=self.policy.row(),
                               matcher=grammar.matcher(reasoning) if grammar is not None else None,
-                              grammar_drafts=grammar_drafts)
+                              grammar_drafts=grammar_drafts, logprobs=logprobs)
         self.prefills.add(seq)
 
     def cancel(self, seq_id) -> None:
@@ -284,6 +289,17 @@ class BatchEngine(BatchRows):
             host.start(logits)  # the device runs the pass while the host builds the constrained rows' masks
             masks = batch_grammar.masks(self.seqs, on_host)
         outs, firsts = [], []
+        vocab = logits.shape[-1]
+        lp_parts, lp_at = [], {}  # the logprob rows of rows that ask for them; row i's: (offset, rows, width)
+
+        def with_logprobs(i: int, rows: mx.array, out: mx.array) -> None:
+            """Row i's tokens out[1:] (one per logits row) with their logprob rows, when it asks for them."""
+            if self.seqs[i].logprobs is None:
+                return
+            part = logprob_rows(rows, out[1 : rows.shape[0] + 1], self.seqs[i].logprobs)
+            lp_at[i] = (sum(p.size for p in lp_parts), part.shape[0], part.shape[1])
+            lp_parts.append(part.reshape(-1))
+
         for i, s in enumerate(self.seqs):  # the acceptance rule over the row's own ki drafts; a prompt's first token
             f = feeding[i]
             if idle[i]:
@@ -293,6 +309,7 @@ class BatchEngine(BatchRows):
                     context = mx.array(s.prompt[-s.sampling.repetition_context:]) if s.sampling.penalized else None
                     outs.append(choose_row(logits[i, fed[i] - 1 : fed[i]], context, mx.zeros((0,), mx.int32), None,
                                            s.sampling, s.next_key(), s.matcher.mask() if s.matcher else None))
+                    with_logprobs(i, logits[i, fed[i] - 1 : fed[i]], outs[-1])
                     firsts.append(i)
                 continue
             ki = ks[i]
@@ -301,12 +318,25 @@ class BatchEngine(BatchRows):
             context = None
             if s.sampling.penalized:
                 context = mx.concatenate([mx.array(s.history[-s.sampling.repetition_context :]), d_tokens])
+            counts = row_counts(token_counts(s.counts, vocab), d_tokens) if s.sampling.counted else None
             outs.append(choose_row(logits[i, : ki + 1], context, d_tokens, d_probs, s.sampling, s.next_key(),
-                                   masks.get(i), drafts[i].cut_probs if i in drafts else None))
+                                   masks.get(i), drafts[i].cut_probs if i in drafts else None, counts))
+            with_logprobs(i, logits[i, : ki + 1], outs[-1])
         carried = [sp.captured for sp in spans.values() if sp.end < self.layer_count]
         if carried:
             host.start(*carried)  # (evaluated with the read below)
-        values = host.read(mx.concatenate(outs)) if outs else []  # the step's one host synchronisation
+        flat = []
+        if lp_parts:  # the step's one host synchronisation, with the logprob rows
+            values, flat = host.read_all(mx.concatenate(outs), mx.concatenate(lp_parts))
+        else:
+            values = host.read(mx.concatenate(outs)) if outs else []  # the step's one host synchronisation
+
+        def logprobs_of(i: int, tokens: list[int]):
+            """Row i's emitted tokens with their logprobs (None: it did not ask for them)."""
+            if i not in lp_at:
+                return None
+            at, n, w = lp_at[i]
+            return host_logprobs(tokens, [flat[at + r * w : at + (r + 1) * w] for r in range(min(n, len(tokens)))])
         seconds = time.perf_counter() - t0
         if not chunk:  # a step that fed no prompt: the reference of the chunks' budget
             self.step_times = self.step_times[-63:] + [seconds]
@@ -335,7 +365,7 @@ class BatchEngine(BatchRows):
                 if i in firsts:
                     first = values[start + 1]
                     start += 2
-                    if self._first_token(f, first, outputs):
+                    if self._first_token(f, first, outputs, logprobs_of(i, [first])):
                         finished.append(i)
                 continue
             ki = ks[i]
@@ -365,7 +395,8 @@ class BatchEngine(BatchRows):
             s.last = tokens[-1]
             s.decode_time = time.perf_counter() - s.t_decode
             accepted.append(min(n, real))
-            outputs.append(Output(s.id, emitted, reason, s.stats(self.num_draft) if reason else None))
+            outputs.append(Output(s.id, emitted, reason, s.stats(self.num_draft) if reason else None,
+                                  logprobs_of(i, emitted)))
             if reason:
                 finished.append(i)
         # a step right after rows joined or left, or that fed prompt chunks, costs more than (b, k) alone

@@ -205,10 +205,12 @@ class BatchRows:
         p = self.prefills.joining.get(s.id)
         return s.drafter is not None and p is None
 
-    def _first_token(self, p: Prefilling, first: int, outputs: list[Output]) -> bool:
-        """p's prompt is in: hand out its first token, begin its drafter. True when that token ends it."""
+    def _first_token(self, p: Prefilling, first: int, outputs: list[Output], logprobs: list | None = None) -> bool:
+        """p's prompt is in: hand out its first token (`logprobs`: its own, when asked for), begin its drafter.
+        True when that token ends it."""
         s = p.seq
         s.history.append(first)
+        s.counts[first] += 1
         s.last = first
         if s.matcher is not None:
             s.matcher.consume([first])
@@ -217,9 +219,9 @@ class BatchRows:
         p.sampled = True
         if first in s.stop_tokens or s.max_tokens == 1:
             outputs.append(Output(s.id, [first], "stop" if first in s.stop_tokens else "length",
-                                  s.stats(self.num_draft)))
+                                  s.stats(self.num_draft), logprobs))
             return True
-        outputs.append(Output(s.id, [first]))
+        outputs.append(Output(s.id, [first], logprobs=logprobs))
         self._begin_drafter(p)
         return False
 

@@ -4,6 +4,7 @@ figures, and a step's output."""
 from __future__ import annotations
 
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 
 import mlx.core as mx
@@ -14,12 +15,14 @@ from ..sampling import SamplingConfig
 
 @dataclass
 class Output:
-    """What a step produced for one sequence: new token ids, and when it ended, why and its figures."""
+    """What a step produced for one sequence: new token ids, and when it ended, why and its figures.
+    `logprobs` (asked for at add()): one sampling.TokenLogprob per token, the target's."""
 
     seq_id: object
     tokens: list[int]
     finished: str | None = None  # "stop" (a stop token) | "length" (max_tokens) | "cancelled"
     stats: dict | None = None
+    logprobs: list | None = None
 
 
 @dataclass
@@ -52,6 +55,8 @@ class RunningSequence:
     grammar_drafts: bool = True  # its grammar's forced tokens are drafted
     forced: int = 0  # tokens its grammar drafted (forced text), apart from `drafted`
     forced_accepted: int = 0
+    logprobs: int | None = None  # the request's logprobs (None: off; 0: the token's; n: and the top n)
+    counts: Counter = field(default_factory=Counter)  # its generated tokens (presence / frequency penalties)
 
     def next_key(self) -> mx.array:
         self.key, k = mx.random.split(self.key)
@@ -80,6 +85,7 @@ class RunningSequence:
                 break
         self.generated += len(tokens)
         self.history += tokens
+        self.counts.update(tokens)
         if reason is None and self.generated >= self.max_tokens:
             reason = "length"
         return tokens, reason

@@ -15,6 +15,7 @@ shared prefix tree).
 """
 
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
@@ -33,7 +34,8 @@ from .context import check_request
 from .held_cache import HeldCache
 from .memory import MemoryBudget
 from .policy import AdaptivePolicy
-from ..sampling import SamplingConfig, probabilities, process_logits
+from ..sampling import (SamplingConfig, TokenLogprob, check_logprobs, host_logprobs, logprob_rows, probabilities,
+                        process_logits, row_counts, token_counts)
 from .stats import SpecStats
 from ..target_model.model import Target
 from ..target_model.prefix_cache import PrefixCache
@@ -58,6 +60,9 @@ class GenerationConfig:
     grammar: Grammar | None = None  # structured output (mlx_engine/grammar): every token emitted is one it allows
     reasoning: bool = False  # the answer opens inside the model's reasoning: the grammar starts after its end marker
     grammar_drafts: bool = True  # the grammar's forced tokens drafted ahead of the drafter (off: masks and cuts only)
+    # the target's log-probabilities of the emitted tokens (Step.logprobs): None off, 0 the token's own,
+    # n in 1..20 also the n most likely tokens at its position
+    logprobs: int | None = None
 
     def __post_init__(self):
         if self.max_tokens < 1:
@@ -66,15 +71,19 @@ class GenerationConfig:
             raise ValueError(f"number of draft tokens must be an integer >= 0 or 'auto', got {self.num_draft!r}")
         if self.prefill_step < 1:
             raise ValueError(f"prefill step must be >= 1, got {self.prefill_step}")
+        check_logprobs(self.logprobs)
 
 
 @dataclass(frozen=True)
 class Step:
-    """What one cycle produced. `tokens` are emitted in order; the first `n_accepted` came from the draft."""
+    """What one cycle produced. `tokens` are emitted in order; the first `n_accepted` came from the draft.
+    `logprobs` (GenerationConfig.logprobs set): one TokenLogprob per token, the target's, from the pass that
+    verified it (the drafter's probabilities never)."""
 
     tokens: list[int]
     draft: list[int]
     n_accepted: int
+    logprobs: list[TokenLogprob] | None = None
 
 
 def _no_draft() -> Draft:
@@ -129,6 +138,9 @@ class Engine:
         if self.batch_invariant and kv_bits is not None:  # the prompt's codes too as token-by-token decoding's
             self.held.largest_chunk = self.max_rows
         self.trees = Trees(self)  # token-tree drafts (core/tree_verify.py); `trees.off` says why not
+        self._logprobs_n: int | None = None  # this generation's GenerationConfig.logprobs
+        self._rows: list | None = None  # the logprob rows of the tokens the last host read brought, when asked for
+        self._generated: Counter = Counter()  # this generation's tokens (the presence and frequency penalties')
 
     @property
     def cache(self) -> list:
@@ -155,9 +167,10 @@ class Engine:
         if self._drafting is not None:
             self._drafting.commit(verdict, hidden)
 
-    def _choose(self, logits, context, draft: Draft, cfg: SamplingConfig, key, masks=None) -> mx.array:
-        """[n_accepted, t_0..t_k] on device (see verify.py); `masks` [k + 1, W]: the grammar's, row by row."""
-        logits = process_logits(logits, context, cfg)
+    def _choose(self, logits, context, draft: Draft, cfg: SamplingConfig, key, masks=None, counts=None) -> mx.array:
+        """[n_accepted, t_0..t_k] on device (see verify.py); `masks` [k + 1, W]: the grammar's, row by row;
+        `counts` [k + 1, V]: each row's counts of the generated tokens (presence / frequency penalties)."""
+        logits = process_logits(logits, context, cfg, counts)
         if masks is not None:
             logits = apply_bitmask(logits, masks)
         target = logits if cfg.greedy else probabilities(logits, cfg)
@@ -181,6 +194,20 @@ class Engine:
             return None
         return mx.concatenate([mx.array(self._history[-cfg.repetition_context :]), draft])
 
+    def _counts(self, cfg: SamplingConfig, draft: mx.array, vocab: int):
+        """Counts of the generated tokens (the prompt excluded) for each verified row: row i adds drafts 1..i."""
+        if not cfg.counted:
+            return None
+        return row_counts(token_counts(self._generated, vocab), draft)
+
+    def _read(self, out: mx.array, logits: mx.array, n: int | None) -> tuple[list, list | None]:
+        """The cycle's one host read: `out` and, when logprobs are asked for (n not None), the logprob rows of
+        the token out[1 + i] at logits row i, every row (the host keeps the emitted ones)."""
+        if n is None:
+            return host.read(out), None
+        values, rows = host.read_all(out, logprob_rows(logits, out[1 : logits.shape[0] + 1], n))
+        return values, rows
+
     def _emit(self, tokens: list[int], cfg: GenerationConfig) -> tuple[list[int], bool]:
         """Cut emitted tokens at max_tokens and after a stop token; add them to the history."""
         tokens = tokens[: cfg.max_tokens - self.stats.generated]
@@ -190,6 +217,7 @@ class Engine:
                 tokens, stopped = tokens[: i + 1], True
                 break
         self._history += tokens
+        self._generated.update(tokens)
         if self._matcher is not None:
             self.stats.grammar_seconds = self._matcher.seconds
         return tokens, stopped
@@ -202,6 +230,7 @@ class Engine:
         closed, stopped while prefilling), what the cache holds goes to the prefix tree, if there is one."""
         cfg = config or GenerationConfig()
         self._check_prompt(prompt, cfg.max_tokens)
+        cfg.sampling.check_vocab(self.target.vocab_size)
         try:
             yield from self._cycles(prompt, cfg)
         finally:
@@ -218,12 +247,13 @@ class Engine:
         if drafts_forced:
             own = {**own, GRAMMAR: drafter.policy}
         stats = self.stats = SpecStats(prompt_tokens=len(prompt))
+        self._logprobs_n = cfg.logprobs
         mx.reset_peak_memory()
         self._target_key, draft_key = mx.random.split(mx.random.key(cfg.seed))
         first = self._start(prompt, cfg, want_hidden)
         if first is None:  # stopped while prefilling
             return
-        yield Step([first], [], 0)
+        yield Step([first], [], 0, self._logprobs([first]))
         if first in cfg.stop_tokens:
             return
 
@@ -258,6 +288,7 @@ class Engine:
             profile = cfg.profile_every > 0 and stats.cycles % cfg.profile_every == 0
             draft_key, dkey = mx.random.split(draft_key)
             self._feed_replay(want_hidden)  # before the drafter (it may read the target cache) and the checkpoint
+            self._rows = None
             if self.trees.wanted(member, sampling):  # a token tree: one pass, the kept path compacted
                 k, verdict, drafted, waited = self.trees.cycle(k, sampling, dkey, want_hidden, profile, policy)
                 stats.cut += self.trees.cut
@@ -282,9 +313,16 @@ class Engine:
             stats.decode_time = time.perf_counter() - t_decode
             stats.peak_memory = mx.get_peak_memory()
             policy.observe(k, n, time.perf_counter() - t_cycle)
-            yield Step(emitted, drafted, n)
+            yield Step(emitted, drafted, n, self._logprobs(emitted))
             if stopped:
                 return
+
+    def _logprobs(self, emitted: list[int]) -> list[TokenLogprob] | None:
+        """The emitted tokens' logprobs from the rows the cycle's read brought (`_rows`, one per emitted
+        token in order), or None when they were not asked for."""
+        if self._rows is None:
+            return None
+        return host_logprobs(emitted, self._rows[: len(emitted)])
 
     # -- the phases of a cycle -------------------------------------------------------------------
     def _check_prompt(self, prompt: list[int], max_tokens: int) -> None:
@@ -295,6 +333,7 @@ class Engine:
         None: cfg.should_stop() ended the prefill."""
         t0 = time.perf_counter()
         self._history = list(prompt)
+        self._generated, self._rows = Counter(), None
         prefilled = self.held.prefill(prompt, cfg, want_hidden)
         if prefilled is None:
             self.stats.cancelled = True
@@ -304,11 +343,13 @@ class Engine:
         no_draft = _no_draft()
         masks = self._matcher.mask() if self._matcher is not None else None
         out = self._choose(logits, self._context(cfg.sampling, no_draft.tokens), no_draft, cfg.sampling,
-                           self._next_key(), masks)
-        first = host.read(out)[1]
+                           self._next_key(), masks)  # (nothing generated yet: no counts)
+        values, self._rows = self._read(out, logits[-1:], cfg.logprobs)
+        first = values[1]
         if self._matcher is not None:
             self._matcher.consume([first])
         self._history.append(first)
+        self._generated[first] += 1
         self._last, self._replay = first, []
         drafter = self._drafting
         if drafter is not None:
@@ -376,12 +417,14 @@ class Engine:
 
     def _accept(self, logits, draft: Draft, sampling: SamplingConfig, profile: bool, masks=None):
         """The acceptance rule on device (over the grammar's masked rows, when there is one), then the cycle's
-        one host read. -> (verdict, the drafted tokens, seconds spent waiting for the device)."""
+        one host read (with the logprob rows of t_0..t_k, when asked for: `_rows`).
+        -> (verdict, the drafted tokens, seconds spent waiting for the device)."""
         k = draft.tokens.shape[0]
-        out = self._choose(logits, self._context(sampling, draft.tokens), draft, sampling, self._next_key(), masks)
+        out = self._choose(logits, self._context(sampling, draft.tokens), draft, sampling, self._next_key(), masks,
+                           self._counts(sampling, draft.tokens, logits.shape[-1]))
         packed = mx.concatenate([out, draft.tokens.astype(mx.int32)])  # drafts ride along for the trace
         t_sync = time.perf_counter()
-        values = host.read(packed)  # the cycle's one host synchronisation
+        values, self._rows = self._read(packed, logits, self._logprobs_n)  # the cycle's one host synchronisation
         waited = time.perf_counter() - t_sync
         if profile:
             self.stats.time_sample += waited
@@ -411,37 +454,46 @@ class Engine:
             window = mx.concatenate([window, inputs[-1:]])[-width:]  # history up to the newest input
             return logits[-1:], window, hidden
 
-        def choose(logits: mx.array, window: mx.array) -> mx.array:
-            """The next token [1]; under a grammar, masked by the matcher as it stands (every token before fed)."""
+        def choose(logits: mx.array, window: mx.array, counts: mx.array | None):
+            """The next token [1] and its logprob row (None when not asked for), both started; under a grammar,
+            masked by the matcher as it stands (every token before fed). `counts` [V]: the generated tokens'."""
             context = window if sampling.penalized else None
             masks = matcher.mask() if matcher is not None else None
-            return self._choose(logits, context, no_draft, sampling, self._next_key(), masks)[1:2]
+            token = self._choose(logits, context, no_draft, sampling, self._next_key(), masks,
+                                 counts[None] if counts is not None else None)[1:2]
+            rows = logprob_rows(logits, token, cfg.logprobs) if cfg.logprobs is not None else None
+            host.start(token, *([rows] if rows is not None else []))
+            return token, rows
 
         first = self._replay + [self._last]
         self._replay = []
         logits, window, hidden = forward(mx.array(first, dtype=mx.int32),
                                          mx.array(self._history[:-1][-width:], dtype=mx.int32))
-        token = choose(logits, window)
+        vocab = logits.shape[-1]
+        counts = token_counts(self._generated, vocab) if sampling.counted else None  # (`_last` counted)
+        token, rows = choose(logits, window, counts)
         self.held.fed(first, hidden)
-        host.start(token)
         for i in range(n_tokens):
             t_cycle = time.perf_counter()
-            current, current_hidden = token, hidden
+            current, current_rows, current_hidden = token, rows, hidden
             if i + 1 < n_tokens:
                 logits, window, hidden = forward(current, window)
+                if counts is not None:  # the history up to the newest input
+                    counts = counts + (mx.arange(vocab) == current).astype(mx.float32)
                 if matcher is None:
-                    token = choose(logits, window)
-                    host.start(token)
+                    token, rows = choose(logits, window, counts)
                 else:
                     host.start(logits)
             t_sync = time.perf_counter()
-            tok = host.read(current)[0]  # the cycle's one host synchronisation
+            if current_rows is None:
+                tok = host.read(current)[0]  # the cycle's one host synchronisation
+            else:  # (with the token's logprob row)
+                (tok,), self._rows = host.read_all(current, current_rows)
             t_back = time.perf_counter()
             if matcher is not None:
                 matcher.consume([tok])
                 if i + 1 < n_tokens:
-                    token = choose(logits, window)
-                    host.start(token)
+                    token, rows = choose(logits, window, counts)
             if drafter is not None:
                 drafter.commit(Verdict(0, 0, [tok]), current_hidden[-1:] if want_hidden else None)
                 if until is not None and i + 1 < n_tokens - 1 and until():
@@ -454,6 +506,6 @@ class Engine:
             stats.time_host += (t_sync - t_cycle) + (time.perf_counter() - t_back)
             stats.decode_time = time.perf_counter() - t_decode
             stats.peak_memory = mx.get_peak_memory()
-            yield Step(emitted, [], 0)
+            yield Step(emitted, [], 0, self._logprobs(emitted))
             if stopped or i + 1 >= n_tokens:
                 return

@@ -11,11 +11,12 @@ so it is an independent draw at that point; at temperature 0 it is the plain gre
 rejection sampling would accept more often where drafters give probabilities; not done.)
 
 One host read per cycle: the picks of all rows (and, for a device tree, its tokens and parents), then the
-walk on the host. Trees need a cache that compacts (plain or quantized KV caches), no repetition penalty
-(its history differs per branch), and no fixed-row pass; otherwise `off` says why and the drafter's best
-chain is verified as before. Batch-invariant (`kernels`) passes verify trees too, each row bit for bit the
-decode step at its position (target_model/tree_cache.py); a device tree's shape is then read before the pass
-(a second host read per cycle).
+walk on the host (with, when asked for, the logprob rows of every row's pick: the path's are kept). Trees
+need a cache that compacts (plain or quantized KV caches), no repetition, presence or frequency penalty
+(their history differs per branch; a logit bias is the same on every row), and no fixed-row pass;
+otherwise `off` says why and the drafter's best chain is verified as before. Batch-invariant (`kernels`)
+passes verify trees too, each row bit for bit the decode step at its position (target_model/tree_cache.py);
+a device tree's shape is then read before the pass (a second host read per cycle).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from ..drafters.tree_draft import TokenTree, host_ancestors, host_depths, walk
 from ..grammar import apply_bitmask
 from ..grammar.trees import kept, legal_nodes, tree_masks
 from ..kernels.batch_attention import tree_bits
-from ..sampling import SamplingConfig, probabilities, process_logits, sample
+from ..sampling import SamplingConfig, logprob_rows, probabilities, process_logits, sample
 from ..target_model import tree_cache
 
 
@@ -57,7 +58,7 @@ class Trees:
         """This cycle verifies a tree: the drafter drafts one for `member` and the engine can verify it."""
         d = self.engine._drafting
         return (d is not None and hasattr(d, "propose_tree") and d.drafts_tree(member)
-                and not sampling.penalized and self.off is None)
+                and not sampling.penalized and not sampling.counted and self.off is None)
 
     def cycle(self, k: int, sampling: SamplingConfig, key: mx.array, want_hidden, profile: bool, policy):
         """Propose a tree of up to k nodes, verify, accept, compact, commit.
@@ -104,8 +105,13 @@ class Trees:
         picks = pick(logits, sampling, e._next_key(), masks)
         parts = [picks] + ([] if tree.host_tokens is not None else [tree.tokens.astype(mx.int32)]) \
             + ([] if tree.on_host else [tree.parents.astype(mx.int32)])
+        packed = mx.concatenate(parts) if len(parts) > 1 else picks
+        n_top = e._logprobs_n
         t_sync = time.perf_counter()
-        values = host.read(mx.concatenate(parts) if len(parts) > 1 else picks)  # the cycle's one host read
+        if n_top is None:
+            values, rows = host.read(packed), None  # the cycle's one host read
+        else:  # with the logprob row of every row's pick (the emitted tokens are picks along the path)
+            values, rows = host.read_all(packed, logprob_rows(logits, picks, n_top))
         waited = time.perf_counter() - t_sync
         if profile:
             e.stats.time_sample += waited
@@ -117,6 +123,8 @@ class Trees:
         path = walk(parents, tokens, choices)
         self.last_path = [r - 1 if origin is None else origin[r - 1] for r in path]
         emitted = [tokens[r - 1] for r in path] + [choices[path[-1] if path else 0]]
+        # token j of `emitted` is the pick at row ([0] + path)[j]: the root's, then each accepted node's
+        e._rows = [rows[r] for r in [0] + path] if rows is not None else None
         if matcher is not None:
             matcher.consume(emitted)
         verdict = Verdict(n, len(path), emitted)

@@ -81,10 +81,11 @@ def accept_sampled(
 
 
 def choose_row(logits, context, draft_tokens, draft_probs, cfg: SamplingConfig, key, masks=None,
-               cut_probs=None) -> mx.array:
+               cut_probs=None, counts=None) -> mx.array:
     """[n_accepted, t_0..t_k] for one row of a batch: the sampling chain (a grammar's `masks` [k + 1, W]
-    applied after the logit processors), then the rule for its config (`cut_probs`: accept_sampled's)."""
-    logits = process_logits(logits, context, cfg)
+    applied after the logit processors; `counts` [k + 1, V]: the presence / frequency penalties' per verified
+    row), then the rule for its config (`cut_probs`: accept_sampled's)."""
+    logits = process_logits(logits, context, cfg, counts)
     if masks is not None:
         logits = apply_bitmask(logits, masks)
     if cfg.greedy:

@@ -104,6 +104,9 @@ class DistributedEngine(Engine):
     # -- the generation ---------------------------------------------------------------------------
     def generate(self, prompt: list[int], config: GenerationConfig | None = None):
         cfg = config or GenerationConfig()
+        if cfg.logprobs is not None or cfg.sampling.counted:  # before any collective: every rank refuses alike
+            raise DistributedError("logprobs and the presence and frequency penalties are not supported with a "
+                                   "sharded target yet (a logit bias is)")
         if self.leader:
             self._check_prompt(prompt, cfg.max_tokens)  # a refused request never reaches the followers
         return self._generate(prompt, cfg)
@@ -249,10 +252,10 @@ class DistributedEngine(Engine):
         finally:
             self._first = False
 
-    def _choose(self, logits, context, draft: Draft, cfg, key, masks=None) -> mx.array:
+    def _choose(self, logits, context, draft: Draft, cfg, key, masks=None, counts=None) -> mx.array:
         if not self._first:
-            return super()._choose(logits, context, draft, cfg, key, masks)
-        out = super()._choose(logits, context, draft, cfg, key, masks) if self.leader else None
+            return super()._choose(logits, context, draft, cfg, key, masks, counts)
+        out = super()._choose(logits, context, draft, cfg, key, masks, counts) if self.leader else None
         with self.collective("first"):
             shared = share(self.group, out, 2, after=[logits])
         self.guard.beat("waiting for the first token")
