@@ -239,6 +239,19 @@ MUTANTS = [
            "last = target_probs[k:]",
            ("tests/test_grammar_distribution.py", "-k", "cut_draft"),
            "after a draft cut at an illegal token, the next token drawn from p, not the residual against its q"),
+    # logprobs and the OpenAI penalties (issue 38)
+    Mutant("logprobs-row", "mlx_engine/core/engine.py",
+           "values, rows = host.read_all(out, logprob_rows(logits, out[1 : logits.shape[0] + 1], n))",
+           "values, rows = host.read_all(out, logprob_rows(mx.concatenate([logits[1:], logits[-1:]]), "
+           "out[1 : logits.shape[0] + 1], n))",
+           ("tests/test_logprobs.py", "-k", "greedy_logprobs_equal"),
+           "the logprobs of a verified token read from the next row of the verify pass (row n + 1 for token n)"),
+    Mutant("count-draft-prefix", "mlx_engine/sampling.py",
+           "return mx.concatenate([counts[None], counts[None] + prefix], axis=0)",
+           "return mx.concatenate([counts[None], counts[None] + 0 * prefix], axis=0)",
+           ("tests/test_openai_penalties.py", "-k", "oracle_deep_rows"),
+           "the presence / frequency counts of every verify row leave out the drafts before it (row i without "
+           "drafts 1..i)"),
 ]
 
 
