@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.responses import Response
 
-from . import openai_api, responses_api
+from . import anthropic_api, openai_api, responses_api
 from .errors import install_error_handlers
 from .intake import DEFAULT_MAX_BODY_BYTES, RequireAPIKey
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
@@ -112,5 +112,6 @@ def create_app(service: Service) -> FastAPI:
     async def completions(http: HTTPRequest):
         return await openai_api.respond(http, service, chat=False, arrived=time.perf_counter())
 
+    anthropic_api.install(app, service)  # /v1/messages, /v1/messages/count_tokens
     responses_api.install(app, service)  # /v1/responses
     return app

@@ -23,8 +23,9 @@ OPEN_PATHS = frozenset({"/health"})  # a liveness probe needs no key; it shows c
 
 
 class RequireAPIKey:
-    """ASGI middleware: every path but OPEN_PATHS needs `Authorization: Bearer KEY` (401 otherwise). Pure
-    ASGI, not BaseHTTPMiddleware, so a request's `receive` (disconnects included) reaches the app as is."""
+    """ASGI middleware: every path but OPEN_PATHS needs `Authorization: Bearer KEY` or, as Anthropic's
+    clients send it, `x-api-key: KEY` (401 otherwise, in Anthropic's envelope on its /v1/messages routes).
+    Pure ASGI, not BaseHTTPMiddleware, so a request's `receive` (disconnects included) reaches the app as is."""
 
     def __init__(self, app, key: str):
         self.app, self.key = app, key.encode()
@@ -32,14 +33,21 @@ class RequireAPIKey:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
             return await self.app(scope, receive, send)
-        auth = dict(scope["headers"]).get(b"authorization", b"")
+        headers = dict(scope["headers"])
+        auth, api_key = headers.get(b"authorization", b""), headers.get(b"x-api-key")
         scheme, _, token = auth.partition(b" ")
-        if scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.key):
+        if (scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.key)) or \
+                (api_key is not None and hmac.compare_digest(api_key.strip(), self.key)):
             return await self.app(scope, receive, send)
-        message = ("incorrect API key provided" if auth else
-                   "no API key provided: send it as the header 'Authorization: Bearer KEY'")
-        response = error_response(APIError(401, message, code="invalid_api_key",
-                                           headers={"WWW-Authenticate": "Bearer"}))
+        message = ("incorrect API key provided" if auth or api_key is not None else
+                   "no API key provided: send it as the header 'Authorization: Bearer KEY' or 'x-api-key: KEY'")
+        refusal = APIError(401, message, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+        if scope["path"] == "/v1/messages" or scope["path"].startswith("/v1/messages/"):
+            from .anthropic_api import error_response as anthropic_error
+
+            response = anthropic_error(refusal)
+        else:
+            response = error_response(refusal)
         await response(scope, receive, send)
 
 

@@ -38,6 +38,7 @@ class Done:
     prompt_tokens: int
     completion_tokens: int
     speculation: dict
+    stop_sequence: str | None = None  # the stop string that ended it (None: end of sequence, or not "stop")
 
 
 @dataclass(frozen=True)
@@ -140,7 +141,8 @@ class Output:
         reason = reason or self.finish_reason or "length"
         if reason == "stop" and self.splitter is not None and self.splitter.made_calls:
             reason = "tool_calls"
-        self.job.put(Done(reason, len(self.job.request.prompt), self.generated, speculation))
+        self.job.put(Done(reason, len(self.job.request.prompt), self.generated, speculation,
+                          self.stream.matched if self.stream.stopped else None))
 
 
 def marker_ids(tokenizer, answer) -> frozenset[int]:

@@ -19,6 +19,7 @@ class TextStream:
         self.text = ""
         self.sent = 0  # characters of self.text handed out so far
         self.stopped = False  # a stop string was found: the text ends before it
+        self.matched: str | None = None  # which stop string (Anthropic's stop_sequence names it)
 
     def add(self, tokens: list[int]) -> str:
         """Take new token ids; return the text that can be sent now."""
@@ -50,7 +51,7 @@ class TextStream:
         for s in self.stop:
             i = self.text.find(s, max(0, self.sent - len(s) + 1))
             if i >= 0 and (best is None or i < best):
-                best = i
+                best, self.matched = i, s
         return best
 
     def _partial_stop(self, text: str) -> int:
