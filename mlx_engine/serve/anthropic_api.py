@@ -30,13 +30,14 @@ from contextlib import aclosing
 from typing import Literal, Union
 
 from fastapi import Request as HTTPRequest
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from starlette.concurrency import run_in_threadpool
 
 from ..sampling import SamplingConfig
 from ..toolcalls.stream import CallArgs, CallStart, Text
-from .errors import APIError, invalid_request
+from .errors import APIError, anthropic_error_body as error_body, anthropic_error_response as error_response, \
+    invalid_request
 from .intake import parse, read_body
 from .jobs import Done
 from .runner import SHUTTING_DOWN, ClientLeft, check_model, events, start
@@ -47,20 +48,6 @@ log = logging.getLogger("mlx_engine.serve")
 
 PATH = "/v1/messages"
 REFUSED_BLOCKS = ("image", "document", "search_result", "container_upload")
-ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-               404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 499: "cancelled",
-               503: "overloaded_error", 529: "overloaded_error"}
-
-
-# -- errors ------------------------------------------------------------------------------------------------
-def error_body(status: int, message: str) -> dict:
-    return {"type": "error", "error": {"type": ERROR_TYPES.get(status, "api_error"), "message": message}}
-
-
-def error_response(e: APIError) -> JSONResponse:
-    return JSONResponse(error_body(e.status, e.message), status_code=e.status, headers=e.headers)
-
-
 # -- the request body --------------------------------------------------------------------------------------
 class Message(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)

@@ -1,5 +1,6 @@
 """Every error the server answers, in OpenAI's shape: {"error": {"message", "type", "param", "code"}} with
-the right status. Bad input (a field out of range, a body that is not UTF-8 or not JSON, an unknown route
+the right status (on the Anthropic Messages API's routes in Anthropic's: {"type": "error", "error":
+{"type", "message"}}). Bad input (a field out of range, a body that is not UTF-8 or not JSON, an unknown route
 or method) is answered without a traceback in the log; only a bug (an exception nobody expected) logs one."""
 
 from __future__ import annotations
@@ -26,6 +27,20 @@ def error_body(message: str, type_: str, param=None, code=None) -> dict:
 
 def error_response(e: APIError) -> JSONResponse:
     return JSONResponse(error_body(e.message, e.type, e.param, e.code), status_code=e.status, headers=e.headers)
+
+
+ANTHROPIC_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                         404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 499: "cancelled",
+                         503: "overloaded_error", 529: "overloaded_error"}
+
+
+def anthropic_error_body(status: int, message: str) -> dict:
+    """Anthropic's envelope, for the Messages API's routes (anthropic_api.py)."""
+    return {"type": "error", "error": {"type": ANTHROPIC_ERROR_TYPES.get(status, "api_error"), "message": message}}
+
+
+def anthropic_error_response(e: APIError) -> JSONResponse:
+    return JSONResponse(anthropic_error_body(e.status, e.message), status_code=e.status, headers=e.headers)
 
 
 def invalid_request(e: ValidationError) -> APIError:

@@ -13,7 +13,7 @@ import json
 
 from pydantic import ValidationError
 
-from .errors import APIError, error_response, invalid_request
+from .errors import APIError, anthropic_error_response, error_response, invalid_request
 
 # 8 MiB: a whole 128k-token context as JSON text is ~0.5-1 MB (~4 bytes per token, some escaping); a
 # completions prompt of token ids ~7 bytes per id, so 8 MiB still carries ~1M ids. Beyond that a body
@@ -43,9 +43,7 @@ class RequireAPIKey:
                    "no API key provided: send it as the header 'Authorization: Bearer KEY' or 'x-api-key: KEY'")
         refusal = APIError(401, message, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
         if scope["path"] == "/v1/messages" or scope["path"].startswith("/v1/messages/"):
-            from .anthropic_api import error_response as anthropic_error
-
-            response = anthropic_error(refusal)
+            response = anthropic_error_response(refusal)
         else:
             response = error_response(refusal)
         await response(scope, receive, send)
