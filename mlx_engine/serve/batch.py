@@ -72,7 +72,8 @@ class BatchWorker(WorkerBase):
             try:
                 # a request's num_draft caps its own row's k; the batch's policy chooses within it
                 self.engine.add(job.id, req.prompt, req.max_tokens, req.sampling, req.seed, self.eos, req.num_draft,
-                                grammar=req.grammar, reasoning=req.answer is not None and req.answer.reasoning)
+                                grammar=req.grammar, reasoning=req.answer is not None and req.answer.reasoning,
+                                logprobs=req.logprobs)
             except Exception as e:  # this request's failure: the others (running and queued) go on
                 self.fail(job, e)
                 continue
@@ -95,7 +96,7 @@ class BatchWorker(WorkerBase):
         if out is None:
             return
         if result.seq_id not in self.closing and result.tokens:
-            if out.add(result.tokens) and result.finished is None:  # a stop string in the text: end it now
+            if out.add(result.tokens, result.logprobs) and result.finished is None:  # a stop string: end it now
                 self.engine.cancel(result.seq_id)
                 self.closing[result.seq_id] = out.finish_reason
         if result.finished is None:

@@ -30,6 +30,14 @@ class Request:
     num_draft: int | str | None = None  # None: the server's setting
     grammar: object = None  # mlx_engine.grammar.Grammar (response_format, a forced tool call), or None
     answer: object = None  # serve.turn.AnswerSpec: how the answer is split (None: all content)
+    logprobs: int | None = None  # None: off; n: the chosen tokens' logprobs and the n most likely (Logprobs)
+
+
+@dataclass(frozen=True)
+class Logprobs:
+    """The target's log-probabilities of tokens just emitted, in OpenAI's chat shape: one {"token", "logprob",
+    "bytes", "top_logprobs": [{"token", "logprob", "bytes"}]} per token."""
+    entries: list
 
 
 @dataclass(frozen=True)
@@ -102,8 +110,9 @@ class Output:
         self.first_token_time: float | None = None
         self.last_token_time: float | None = None
 
-    def add(self, tokens: list[int]) -> bool:
-        """Emit tokens (already cut at max_tokens and after an EOS by the engine). True when finished."""
+    def add(self, tokens: list[int], logprobs: list | None = None) -> bool:
+        """Emit tokens (already cut at max_tokens and after an EOS by the engine), with the target's logprobs
+        of them when the request asked (sampling.TokenLogprob, one per token). True when finished."""
         if self.finish_reason is not None:
             return True
         now = time.perf_counter()
@@ -117,12 +126,21 @@ class Output:
             self.last_token_time = now
         self.generated += len(tokens)
         self.job.generated = self.generated  # (the request log's line)
+        if logprobs:
+            self.job.put(Logprobs([self._entry(lp) for lp in logprobs[: len(tokens)]]))
         self._put(self.stream.add(tokens))
         if self.stream.stopped or (tokens and tokens[-1] in self.eos):
             self.finish_reason = "stop"
         elif self.generated >= self.job.request.max_tokens:
             self.finish_reason = "length"
         return self.finish_reason is not None
+
+    def _token(self, token: int, logprob: float) -> dict:
+        text = self.stream.tokenizer.decode([token])
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    def _entry(self, lp) -> dict:
+        return {**self._token(lp.token, lp.logprob), "top_logprobs": [self._token(t, v) for t, v in lp.top]}
 
     def _put(self, text: str, last: bool = False) -> None:
         """Text on its way out: split (reasoning, content, calls) when the request has an answer spec."""

@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from ..toolcalls.stream import CallArgs, CallStart, Text
 from .errors import APIError, error_body, error_response
 from .intake import parse, read_body
-from .jobs import Done
+from .jobs import Done, Logprobs
 from .runner import SHUTTING_DOWN, ClientLeft, events, start
 from .schemas import ChatRequest, CompletionRequest
 from .turn import Turn
@@ -29,7 +29,7 @@ def chat_turn(body: ChatRequest) -> Turn:
                 tool_choice=body.tool_choice if body.tools else "none", parallel_tool_calls=body.parallel_tool_calls,
                 response_format=body.response_format, template_kwargs=body.template_kwargs(),
                 sampling=body.sampling(), max_tokens=body.limit(None), stop=body.stop, seed=body.seed,
-                num_draft=body.num_draft, stream=body.stream)
+                num_draft=body.num_draft, logprobs=body.logprob_count, stream=body.stream)
 
 
 def completion_turn(body: CompletionRequest, vocab_size: int) -> Turn:
@@ -38,7 +38,20 @@ def completion_turn(body: CompletionRequest, vocab_size: int) -> Turn:
         raise APIError(400, f"prompt token ids must be in [0, {vocab_size})", param="prompt")
     return Turn(body.model, prompt=prompt, response_format=body.response_format, sampling=body.sampling(),
                 max_tokens=body.limit(None), stop=body.stop, seed=body.seed, num_draft=body.num_draft,
-                stream=body.stream)
+                logprobs=body.logprobs, stream=body.stream)
+
+
+def legacy_logprobs(entries: list[dict], top: int) -> dict:
+    """Completions' older shape of the same figures: tokens, token_logprobs, top_logprobs as {token: lp}."""
+    return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
+            "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"][:top]} for e in entries],
+            "text_offset": []}
+
+
+def logprobs_field(entries: list[dict] | None, chat: bool, top: int | None):
+    if entries is None:
+        return None
+    return {"content": entries} if chat else legacy_logprobs(entries, top or 0)
 
 
 def usage(done: Done) -> dict:
@@ -71,6 +84,8 @@ async def respond(http, service, chat: bool, arrived: float):
 async def complete(job, envelope: dict, chat: bool, http, service):
     parts = {"content": [], "reasoning": []}
     calls: list[dict] = []
+    top = job.request.logprobs
+    logprobs = [] if top is not None else None
     try:
         async with aclosing(events(job, http, service.worker.cancel)) as evs:
             async for event in evs:
@@ -81,6 +96,8 @@ async def complete(job, envelope: dict, chat: bool, http, service):
                                   "function": {"name": event.name, "arguments": ""}})
                 elif isinstance(event, CallArgs):
                     calls[event.index]["function"]["arguments"] += event.text
+                elif isinstance(event, Logprobs):
+                    logprobs += event.entries
                 elif isinstance(event, Done):
                     done = event
     except ClientLeft:
@@ -95,9 +112,11 @@ async def complete(job, envelope: dict, chat: bool, http, service):
             message["reasoning_content"] = "".join(parts["reasoning"])
         if calls:
             message["tool_calls"] = calls
-        choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason(done)}
+        choice = {"index": 0, "message": message, "logprobs": logprobs_field(logprobs, True, top),
+                  "finish_reason": finish_reason(done)}
     else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason(done)}
+        choice = {"index": 0, "text": text, "logprobs": logprobs_field(logprobs, False, top),
+                  "finish_reason": finish_reason(done)}
     out.update(choices=[choice], usage=usage(done), speculation=done.speculation)
     return out
 
@@ -108,13 +127,15 @@ def sse(out) -> str:
 
 async def stream(job, envelope: dict, chat: bool, include_usage: bool, http, service):
     obj = "chat.completion.chunk" if chat else "text_completion"
+    top = job.request.logprobs
 
-    def chunk(delta: dict | None, reason: str | None = None, text: str | None = None) -> dict:
+    def chunk(delta: dict | None, reason: str | None = None, text: str | None = None, logprobs=None) -> dict:
         out = {**envelope, "object": obj}
+        lp = logprobs_field(logprobs, chat, top)
         if chat:
-            out["choices"] = [{"index": 0, "delta": delta or {}, "logprobs": None, "finish_reason": reason}]
+            out["choices"] = [{"index": 0, "delta": delta or {}, "logprobs": lp, "finish_reason": reason}]
         else:
-            out["choices"] = [{"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}]
+            out["choices"] = [{"index": 0, "text": text or "", "logprobs": lp, "finish_reason": reason}]
         return out
 
     try:
@@ -132,6 +153,8 @@ async def stream(job, envelope: dict, chat: bool, include_usage: bool, http, ser
                                                      "function": {"name": event.name, "arguments": ""}}]}))
                 elif isinstance(event, CallArgs):
                     yield sse(chunk({"tool_calls": [{"index": event.index, "function": {"arguments": event.text}}]}))
+                elif isinstance(event, Logprobs):  # the tokens' logprobs in a chunk of their own
+                    yield sse(chunk({}, logprobs=event.entries))
                 elif isinstance(event, Done):
                     last = chunk({}, finish_reason(event))
                     last["usage"] = usage(event)  # usage and speculation ride on the last chunk

@@ -59,8 +59,12 @@ async def start(turn: Turn, service, prefix: str = "chatcmpl-", arrived: float |
         except ValueError as e:
             raise APIError(400, str(e), param="max_tokens", code="memory_budget_exceeded") from None
     seed = turn.seed if turn.seed is not None else int.from_bytes(uuid.uuid4().bytes[:4], "little")
+    try:
+        turn.sampling.check_vocab(service.vocab_size)
+    except ValueError as e:
+        raise APIError(400, str(e), param="logit_bias") from None
     request = Request(prepared.prompt, max_tokens, turn.sampling, seed, turn.stop, turn.num_draft, prepared.grammar,
-                      prepared.answer)
+                      prepared.answer, turn.logprobs)
     job = Job(request, arrived=arrived)
     job.name = prefix + uuid.uuid4().hex[:24]
     if http is not None:  # the request log's line names the tokens

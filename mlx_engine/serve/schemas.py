@@ -1,9 +1,11 @@
 """The request bodies of /v1/chat/completions and /v1/completions (pydantic), and what they ask of the
 engine. Every field is checked here, before anything is queued: JSON types as OpenAI documents them
 (strict: `true` is not a number, `2.0` is not an integer), ranges, and `null` wherever OpenAI allows it
-(null = the field's default). Fields this server cannot honour (`n > 1`, `logprobs`, penalties other than
-`repetition_penalty`, ...) are refused with a 400 naming them instead of being ignored; fields with no
-effect on the output (`user`, `metadata`, ...) are ignored. Tools (`tools`, `tool_choice`,
+(null = the field's default). Fields this server cannot honour (`n > 1`, `echo`, `best_of`, ...) are
+refused with a 400 naming them instead of being ignored; fields with no effect on the output (`user`,
+`metadata`, ...) are ignored. presence_penalty, frequency_penalty and logit_bias act in the target and in
+the acceptance rule alike (sampling.py); logprobs / top_logprobs (chat) and logprobs (completions) are the
+target's (Step.logprobs). Tools (`tools`, `tool_choice`,
 `parallel_tool_calls`, assistant `tool_calls` and `tool` messages) and reasoning (`reasoning_content` in the
 history, `chat_template_kwargs`, `reasoning_effort`) are taken (turn.py renders them). `response_format` (text, json_object,
 json_schema; regex and lark as extensions, on completions too) is checked for its shape here and compiled
@@ -101,19 +103,14 @@ class _Body(BaseModel):
             raise Unsupported(f"n = {v} is not supported: one choice per request (send {v} requests)")
         return v
 
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _no_openai_penalty(cls, v, info):
-        if v != 0:
-            raise Unsupported(f"{info.field_name} is not supported; use repetition_penalty (> 1 discourages "
-                              "repeats)")
-        return v
-
     @field_validator("logit_bias")
     @classmethod
-    def _no_logit_bias(cls, v):
-        if v:
-            raise Unsupported("logit_bias is not supported")
+    def _bias(cls, v):
+        for key, value in v.items():
+            if not key.isdigit():
+                raise ValueError(f"logit_bias keys are token ids, got {key!r}")
+            if not -100 <= value <= 100:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {value} for token {key}")
         return v
 
     @field_validator("response_format")
@@ -143,7 +140,9 @@ class _Body(BaseModel):
 
     def sampling(self) -> SamplingConfig:
         return SamplingConfig(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p,
-                              repetition_penalty=self.repetition_penalty)
+                              repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
+                              frequency_penalty=self.frequency_penalty,
+                              logit_bias={int(k): v for k, v in self.logit_bias.items()})
 
     def limit(self, default: int) -> int:
         return self.max_completion_tokens or self.max_tokens or default
@@ -257,12 +256,10 @@ class ChatRequest(_Body):
             out.setdefault("reasoning_effort", self.reasoning_effort)
         return out
 
-    @field_validator("logprobs", "top_logprobs")
-    @classmethod
-    def _no_logprobs(cls, v, info):
-        if v:
-            raise Unsupported(f"{info.field_name} is not supported by this server")
-        return v
+    @property
+    def logprob_count(self) -> int | None:
+        """The engine's logprobs setting: None off, else how many most likely tokens besides the chosen one."""
+        return self.top_logprobs if self.logprobs else None
 
 
 class CompletionRequest(_Body):
@@ -290,9 +287,9 @@ class CompletionRequest(_Body):
 
     @field_validator("logprobs")
     @classmethod
-    def _no_logprobs(cls, v):
-        if v is not None:
-            raise Unsupported("logprobs is not supported by this server")
+    def _logprobs(cls, v):
+        if v is not None and not 0 <= v <= 5:
+            raise ValueError(f"logprobs must be in [0, 5] on completions, got {v}")
         return v
 
     @field_validator("echo", "suffix")

@@ -172,13 +172,13 @@ class FairQueueWorker(WorkerBase):
         # progress per prefill chunk; a client that left stops the prefill at the next chunk
         cfg = GenerationConfig(max_tokens=req.max_tokens, num_draft=num_draft, sampling=req.sampling, seed=req.seed,
                                stop_tokens=self.eos, should_stop=lambda: job.cancelled, grammar=req.grammar,
-                               reasoning=req.answer is not None and req.answer.reasoning,
+                               reasoning=req.answer is not None and req.answer.reasoning, logprobs=req.logprobs,
                                on_prefill=lambda done, total: self.progress.update(job.name, done, total))
         gen = engine.generate(req.prompt, cfg)
         try:
             for step in gen:
                 self.progress.finish(job.name)
-                if job.cancelled or out.add(step.tokens):
+                if job.cancelled or out.add(step.tokens, step.logprobs):
                     break
         finally:
             gen.close()
