@@ -31,7 +31,7 @@ from typing import Literal, Union
 
 from fastapi import Request as HTTPRequest
 from fastapi.responses import StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from starlette.concurrency import run_in_threadpool
 
 from ..sampling import SamplingConfig
@@ -41,7 +41,7 @@ from .errors import APIError, anthropic_error_body as error_body, anthropic_erro
 from .intake import parse, read_body
 from .jobs import Done
 from .runner import SHUTTING_DOWN, ClientLeft, check_model, events, start
-from .schemas import check_text
+from .schemas import NullIsDefault, check_text
 from .turn import Turn, prepare
 
 log = logging.getLogger("mlx_engine.serve")
@@ -56,10 +56,8 @@ class Message(BaseModel):
     content: Union[str, list[dict]]
 
 
-class CountBody(BaseModel):
+class CountBody(NullIsDefault):
     """/v1/messages/count_tokens: the Messages body without max_tokens (and without sampling)."""
-    model_config = ConfigDict(extra="ignore", strict=True)
-
     model: str
     messages: list[Message] = Field(min_length=1)
     system: Union[str, list[dict], None] = None
@@ -68,14 +66,6 @@ class CountBody(BaseModel):
     thinking: dict | None = None
     output_config: dict | None = None
     output_format: dict | None = None  # the structured-outputs beta's name for output_config.format
-
-    @model_validator(mode="before")
-    @classmethod
-    def _null_is_the_default(cls, data):
-        if isinstance(data, dict):
-            required = {name for name, f in cls.model_fields.items() if f.is_required()}
-            return {k: v for k, v in data.items() if v is not None or k in required}
-        return data
 
 
 class MessagesBody(CountBody):
@@ -277,19 +267,30 @@ def tool_input(arguments: str) -> dict:
     return value if isinstance(value, dict) else {}
 
 
-async def respond(http, service, arrived: float):
+async def in_shape(http, work):
+    """`await work()`, its errors answered in Anthropic's envelope (a bug logged with its traceback)."""
     try:
-        raw = await read_body(http, service.max_body_bytes)
-        body = await run_in_threadpool(parse, raw, MessagesBody)
-        turn = messages_turn(body)
-        job, prepared = await start(turn, service, "msg_", arrived, http)
+        return await work()
     except APIError as e:
         return error_response(e)
     except ValidationError as e:
         return error_response(invalid_request(e))
-    except Exception as e:  # a bug: logged with its traceback, answered in Anthropic's shape
+    except Exception as e:
         log.exception("anthropic: %s %s", http.method, http.url.path)
         return error_response(APIError(500, f"internal error: {type(e).__name__}: {e}"))
+
+
+async def respond(http, service, arrived: float):
+    async def queue():
+        raw = await read_body(http, service.max_body_bytes)
+        body = await run_in_threadpool(parse, raw, MessagesBody)
+        turn = messages_turn(body)
+        return turn, *await start(turn, service, "msg_", arrived, http)
+
+    queued = await in_shape(http, queue)
+    if not isinstance(queued, tuple):  # an error, answered
+        return queued
+    turn, job, prepared = queued
     message = {"id": job.name, "type": "message", "role": "assistant", "model": service.model_id}
     if turn.stream:
         return StreamingResponse(stream(job, message, len(prepared.prompt), http, service),
@@ -403,7 +404,7 @@ async def stream(job, message: dict, prompt_tokens: int, http, service):
 async def count_tokens(http, service):
     """The prompt's length as the engine would see it, through the same translation and template; nothing
     is generated (a forced tool call's grammar is not compiled: the prompt does not depend on it)."""
-    try:
+    async def count():
         raw = await read_body(http, service.max_body_bytes)
         body = await run_in_threadpool(parse, raw, CountBody)
         turn = messages_turn(body)
@@ -412,14 +413,9 @@ async def count_tokens(http, service):
             turn.tool_choice = "auto"
         turn.response_format = None
         prepared = await run_in_threadpool(prepare, turn, service.tokenizer, service.vocab_size)
-    except APIError as e:
-        return error_response(e)
-    except ValidationError as e:
-        return error_response(invalid_request(e))
-    except Exception as e:  # a bug: logged with its traceback, answered in Anthropic's shape
-        log.exception("anthropic: %s %s", http.method, http.url.path)
-        return error_response(APIError(500, f"internal error: {type(e).__name__}: {e}"))
-    return {"input_tokens": len(prepared.prompt)}
+        return {"input_tokens": len(prepared.prompt)}
+
+    return await in_shape(http, count)
 
 
 def install(app, service) -> None:

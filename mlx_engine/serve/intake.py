@@ -95,19 +95,3 @@ def parse(raw: bytes, schema):
         return schema.model_validate(data)
     except ValidationError as e:
         raise invalid_request(e) from None
-
-
-def encode_chat(tokenizer, messages) -> list[int]:
-    """The conversation through the model's chat template (role: content lines when it has none)."""
-    msgs = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in messages]
-    if getattr(tokenizer, "chat_template", None):
-        try:
-            ids = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
-        except Exception as e:
-            if type(e).__module__.startswith("jinja2"):  # the template refused the conversation (e.g. roles)
-                raise APIError(400, f"the model's chat template refused these messages: {e}", param="messages") \
-                    from None
-            raise
-        return list(ids["input_ids"] if isinstance(ids, dict) else ids)
-    text = "".join(f"{m['role']}: {m['content']}\n" for m in msgs) + "assistant: "
-    return list(tokenizer.encode(text))

@@ -32,11 +32,11 @@ import logging
 import time
 import uuid
 from contextlib import aclosing
-from typing import Literal, Union
+from typing import Union
 
 from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator
 
 from ..sampling import SamplingConfig
 from ..toolcalls.stream import CallArgs, CallStart, Text
@@ -44,7 +44,7 @@ from .errors import APIError, error_body, error_response
 from .intake import parse, read_body
 from .jobs import Done
 from .runner import SHUTTING_DOWN, ClientLeft, events, start
-from .schemas import SEED_LIMIT, Unsupported, check_text
+from .schemas import StopSeedDraft, Unsupported, check_text
 from .turn import Turn
 
 log = logging.getLogger("mlx_engine.serve")
@@ -60,9 +60,7 @@ def _new_id(prefix: str) -> str:
 
 # -- the request ------------------------------------------------------------------------------------
 
-class ResponsesRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
-
+class ResponsesRequest(StopSeedDraft):
     model: str | None = None
     input: Union[str, list[dict]]
     instructions: str | None = None
@@ -79,9 +77,6 @@ class ResponsesRequest(BaseModel):
     top_k: int = Field(default=0, ge=0)
     min_p: float = Field(default=0.0, ge=0.0, lt=1.0)
     repetition_penalty: float = Field(default=1.0, gt=0.0, le=10.0)
-    stop: Union[str, list[str]] = Field(default_factory=list)
-    seed: int | None = None
-    num_draft: Union[int, Literal["auto"], None] = None
     chat_template_kwargs: dict = Field(default_factory=dict)
     # state this server does not keep: refused
     previous_response_id: str | None = None
@@ -93,13 +88,6 @@ class ResponsesRequest(BaseModel):
     user: str | None = None
     prompt_cache_key: str | None = None
     # include, store, truncation, service_tier, safety_identifier, stream_options, ...: ignored (extra)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _null_is_the_default(cls, data):
-        if isinstance(data, dict):
-            return {k: v for k, v in data.items() if v is not None}
-        return data
 
     @field_validator("previous_response_id")
     @classmethod
@@ -128,27 +116,6 @@ class ResponsesRequest(BaseModel):
             raise ValueError("input is empty: send the conversation as a string or a list of items")
         return v
 
-    @field_validator("stop")
-    @classmethod
-    def _stops(cls, v):
-        stops = [v] if isinstance(v, str) else list(v)
-        if len(stops) > 4:
-            raise ValueError("at most 4 stop sequences")
-        return [check_text(s, "a stop sequence") for s in stops]
-
-    @field_validator("seed")
-    @classmethod
-    def _seed(cls, v):
-        if not 0 <= v < SEED_LIMIT:
-            raise ValueError(f"seed must be an integer in [0, 2**63), got {v}")
-        return v
-
-    @field_validator("num_draft")
-    @classmethod
-    def _num_draft(cls, v):
-        if isinstance(v, int) and v < 0:
-            raise ValueError("num_draft must be >= 0 or 'auto'")
-        return v
 
     def sampling(self) -> SamplingConfig:
         return SamplingConfig(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p,

@@ -42,28 +42,9 @@ class Unsupported(ValueError):
 FORMATS = ("text", "json_object", "json_schema", "regex", "lark")  # response_format types (grammar/requests.py)
 
 
-class _Body(BaseModel):
+class NullIsDefault(BaseModel):
+    """A request body: strict JSON types, unknown fields ignored, null where a field is optional = its default."""
     model_config = ConfigDict(extra="ignore", strict=True)
-
-    model: str
-    max_tokens: int | None = Field(default=None, ge=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
-    temperature: float = Field(default=0.0, ge=0.0, le=2.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=0, ge=0)
-    min_p: float = Field(default=0.0, ge=0.0, lt=1.0)
-    repetition_penalty: float = Field(default=1.0, gt=0.0, le=10.0)
-    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
-    logit_bias: dict[str, float] = Field(default_factory=dict)
-    stop: Union[str, list[str]] = Field(default_factory=list)
-    seed: int | None = None
-    n: int = Field(default=1, ge=1)
-    stream: bool = False
-    stream_options: dict = Field(default_factory=dict)
-    # per request: k >= 0 or auto (default: the server's); in continuous batching, a ceiling on the row's own k
-    num_draft: Union[int, Literal["auto"], None] = None
-    response_format: dict = Field(default_factory=lambda: {"type": "text"})
 
     @model_validator(mode="before")
     @classmethod
@@ -73,6 +54,14 @@ class _Body(BaseModel):
             required = {name for name, f in cls.model_fields.items() if f.is_required()}
             return {k: v for k, v in data.items() if v is not None or k in required}
         return data
+
+
+class StopSeedDraft(NullIsDefault):
+    """stop, seed and num_draft, checked alike on chat completions, completions and responses."""
+    stop: Union[str, list[str]] = Field(default_factory=list)
+    seed: int | None = None
+    # per request: k >= 0 or auto (default: the server's); in continuous batching, a ceiling on the row's own k
+    num_draft: Union[int, Literal["auto"], None] = None
 
     @field_validator("stop")
     @classmethod
@@ -95,6 +84,24 @@ class _Body(BaseModel):
         if isinstance(v, int) and v < 0:
             raise ValueError("num_draft must be >= 0 or 'auto'")
         return v
+
+
+class _Body(StopSeedDraft):
+    model: str
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=0.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=0)
+    min_p: float = Field(default=0.0, ge=0.0, lt=1.0)
+    repetition_penalty: float = Field(default=1.0, gt=0.0, le=10.0)
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] = Field(default_factory=dict)
+    n: int = Field(default=1, ge=1)
+    stream: bool = False
+    stream_options: dict = Field(default_factory=dict)
+    response_format: dict = Field(default_factory=lambda: {"type": "text"})
 
     @field_validator("n")
     @classmethod
