@@ -252,6 +252,32 @@ MUTANTS = [
            ("tests/test_openai_penalties.py", "-k", "oracle_deep_rows"),
            "the presence / frequency counts of every verify row leave out the drafts before it (row i without "
            "drafts 1..i)"),
+    # an agent's prompt and the batch engine (issue 39)
+    Mutant("prompt-pass-left-lazy", "mlx_engine/core/batch_engine.py",
+           "            host.wait([a for bc in self.cache for a in bc.state] + carried + ([hidden] if hidden is not None else []))",
+           "            pass",
+           ("tests/test_agent_prefill.py", "-k", "evaluated_in_its_step"),
+           "a step that only feeds a prompt chunk never evaluates its pass: the graph piles up until a token is read"),
+    Mutant("newcomer-waits-its-turn", "mlx_engine/core/batch_engine.py",
+           "        if turn:\n            turn = [min(turn, key=lambda i: (feeding[i].left(), i))]",
+           "        if turn and decoding:\n            turn = [min(turn, key=lambda i: (feeding[i].left(), i))]",
+           ("tests/test_agent_prefill.py", "-k", "not_starved and none"),
+           "while nothing decodes every prompt is fed each step: a short one waits beside the long one's chunks"),
+    Mutant("drafter-stage-first-come", "mlx_engine/core/batch_rows.py",
+           "p = min(begun, key=lambda p: p.drafter_left)",
+           "p = begun[0]",
+           ("tests/test_agent_prefill.py", "-k", "not_starved and mtp and not suffix"),
+           "the drafters' prompts fed first come first served: a short request's waits for a long one's"),
+    Mutant("drafter-state-not-restored", "mlx_engine/core/batch_rows.py",
+           "            p.drafter.restore(*p.drafter_prefix)\n",
+           "",
+           ("tests/test_agent_prefill.py", "-k", "refeeds_neither and mtp and not suffix"),
+           "a prefix-tree hit hands the drafter no entries: it is fed the whole prompt again"),
+    Mutant("mtp-restore-off-by-one", "mlx_engine/drafters/mtp/drafter.py",
+           "[tree_map(lambda a: a[..., 1 : slots + 1, :], s) for s in states]",
+           "[tree_map(lambda a: a[..., :slots, :], s) for s in states]",
+           ("tests/test_agent_prefill.py", "-k", "refeeds_neither and eagle3"),
+           "the head's restored entries read one position early (the tree's frame has slot p at p + 1)"),
 ]
 
 

@@ -45,6 +45,7 @@ from ..target_model.batch_sequences import idle_rows
 from ..target_model.model import Target
 from . import invariance_default
 from . import batch_grammar
+from . import drafter_prefix
 from .batch_policy import BatchPolicy, FixedBatchPolicy
 from .batch_prefill import PrefillQueue
 from .batch_rows import BatchRows
@@ -112,6 +113,7 @@ class BatchEngine(BatchRows):
         if prefix_cache_bytes > 0 and self.supported is None:
             tree = prefix_ops.PrefixCache(prefix_cache_bytes, with_hidden=self.want_hidden is not None)
         self.prefix_cache = tree
+        self.drafter_kept = drafter_prefix.why_not(drafter)  # None: the tree keeps the drafter's state too
         if self.batch_invariant and kv_bits is not None:  # prompts in covered passes, as in Engine
             prefill_step = min(prefill_step, rows)
         self.prefills = PrefillQueue(self.target, self.want_hidden, tree, prefill_step, idle_budget)
@@ -246,11 +248,15 @@ class BatchEngine(BatchRows):
         # while prompts are fed, every REMEASURE-th step decodes alone: the chunks' budget is a multiple of a
         # decoding step's time, which changes with the batch (and is unknown when all steps so far fed chunks)
         remeasure = decoding and self.steps - self._decoded_alone >= REMEASURE
-        # while rows decode, one prompt a step, the one with the least left, its chunk sized at its own depth
-        # (sized for the deepest, a short prompt arriving beside a deep one went a token a step too)
+        # one prompt a step, the one with the least left, its chunk sized at its own depth: a short prompt
+        # arriving while a long one is fed goes first, alone (beside the long one's chunk it waited a whole
+        # budget; sized for the deepest, it went a token a step). A row just made took this step's time
+        # with its copies: while none decodes, no prompt is fed beside them (the newcomer's turn is next).
         turn = [i for i, f in enumerate(feeding) if f is not None and not f.fresh]
-        if decoding and turn:
+        if turn:
             turn = [min(turn, key=lambda i: (feeding[i].left(), i))]
+        if not decoding and any(f is not None and f.fresh for f in feeding):
+            turn = []
         if turn and not remeasure:
             cap = self.max_k + 1 if decoding and self.max_k < 1 << 30 else None  # invariant passes stay covered
             depth = max(feeding[i].done for i in turn)
@@ -266,6 +272,9 @@ class BatchEngine(BatchRows):
                     span = self.prefills.span(f, i, fed[i], bool(decoding), self.layer_count)
                     if span is not None:
                         spans[i], fed[i] = span, span.tokens
+        if not decoding and not any(fed):  # every row waits (its drafter being fed, or a row just made): no pass
+            self.steps += 1
+            return outputs
         width = max([widest + 1 if decoding else 1] + fed)  # the pass's tokens per row
         idle = [idle[i] or (feeding[i] is not None and fed[i] == 0) for i in range(b)]  # (a remeasuring step)
         drafts = {i: padded(batch_grammar.first(d, ks[i]) if constrained else d, width - 1, self.seqs[i].last)
@@ -328,8 +337,12 @@ class BatchEngine(BatchRows):
         flat = []
         if lp_parts:  # the step's one host synchronisation, with the logprob rows
             values, flat = host.read_all(mx.concatenate(outs), mx.concatenate(lp_parts))
-        else:
-            values = host.read(mx.concatenate(outs)) if outs else []  # the step's one host synchronisation
+        elif outs:
+            values = host.read(mx.concatenate(outs))  # the step's one host synchronisation
+        else:  # a pass that only fed prompt chunks: wait for it, or nothing ever runs it until a later read
+            # (the chunks' graph would pile up, the sizer would time empty steps, a later step would pay all)
+            values = []
+            host.wait([a for bc in self.cache for a in bc.state] + carried + ([hidden] if hidden is not None else []))
 
         def logprobs_of(i: int, tokens: list[int]):
             """Row i's emitted tokens with their logprobs (None: it did not ask for them)."""
@@ -338,7 +351,7 @@ class BatchEngine(BatchRows):
             at, n, w = lp_at[i]
             return host_logprobs(tokens, [flat[at + r * w : at + (r + 1) * w] for r in range(min(n, len(tokens)))])
         seconds = time.perf_counter() - t0
-        if not chunk:  # a step that fed no prompt: the reference of the chunks' budget
+        if not chunk and decoding:  # a step that only decoded: the reference of the chunks' budget
             self.step_times = self.step_times[-63:] + [seconds]
             self._decoded_alone = self.steps
         else:  # a chunk that crossed m of the L layers counts as m / L of its tokens

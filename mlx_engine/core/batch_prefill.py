@@ -49,6 +49,7 @@ class Prefilling:
     hidden: list = field(default_factory=list)  # target hidden rows of those positions (drafters that read them)
     drafter: object | None = None  # stage 2: the begun drafter while its pending prompt is fed
     drafter_left: int = 0  # its pending prompt positions (what prefill_pending last said)
+    drafter_prefix: tuple | None = None  # the prefix tree's drafter entries for its prompt (states, positions)
     sampled: bool = False  # stage 1 done: the first token is out
     fresh: bool = True  # its row was made this step (the copies it took are this step's cost: no chunk yet)
     layer: int = 0  # > 0: a chunk is crossing the layers (layer_span): the next layer it enters

@@ -18,6 +18,7 @@ from ..drafters.base import Verdict
 from ..target_model.batch_cache import BatchKVCache, QuantizedBatchKVCache
 from .batch_prefill import Prefilling, empty_like, row_prefix
 from .batch_sequence import Output, RunningSequence
+from . import drafter_prefix
 
 GROW_BYTES = 16 << 20  # new cache buffers a step may allocate ahead of a prompt being fed (~1 ms a MB here)
 
@@ -48,6 +49,8 @@ class BatchRows:
             hit = self.prefills.tree_hit(p)
             n, states = hit.n, hit.layers
             hidden = [hit.hidden] if hit.hidden is not None else []
+            if hit.drafter is not None:  # the drafter's entries too: its stage skips them (drafter_prefix.py)
+                p.drafter_prefix = (hit.drafter, hit.drafter_n)
         elif n:
             states = row_prefix([bc.row(source) for bc in self.cache], n)
             rows = self._hidden_of(self.seqs[source])
@@ -98,12 +101,13 @@ class BatchRows:
             s = self.seqs[i]
             tokens, held, _ = self._held(s)
             fed = tokens[:held]  # every token whose entries the row holds
-            if self.prefix_cache is not None and len(fed) > self.prefix_cache.match(fed):
+            drafter = drafter_prefix.row_states(self, s) if self.prefix_cache is not None else None
+            if self.prefix_cache is not None and (len(fed) > self.prefix_cache.match(fed) or drafter is not None):
                 states = [tree_map(lambda a: a[:, :, : len(fed)], bc.row(i)) for bc in self.cache]
                 rows_h = self._hidden_of(s)
                 hidden = mx.concatenate(rows_h)[: len(fed)] if rows_h else None
                 if not (self.prefix_cache.with_hidden and (hidden is None or hidden.shape[0] < len(fed))):
-                    self.prefix_cache.insert(fed, states, hidden)
+                    drafter_prefix.store(self.prefix_cache, fed, states, hidden, drafter)
             p = self.prefills.joining.get(s.id)
             if p is not None:
                 self.prefills.leave(p)
@@ -150,6 +154,10 @@ class BatchRows:
             p.drafter = copy.copy(self.drafter)
             p.drafter.begin(list(s.history), hidden)
         p.drafter_left = len(s.history) if p.drafter is not None else 0
+        if p.drafter is not None and p.drafter_prefix is not None:  # a prefix-tree hit held its entries too
+            p.drafter.restore(*p.drafter_prefix)
+            p.drafter_left -= p.drafter_prefix[1]
+            p.drafter_prefix = None
         if p.drafter is None:
             self.prefills.leave(p)
         elif not hasattr(p.drafter, "prefill_pending"):  # nothing to feed (prompt lookup): drafts from the next step
@@ -160,10 +168,12 @@ class BatchRows:
         next step. Every step feeds one, beside any prompt chunks (then with half the budget: the two share
         the step): its row has handed out its first token and waits for it, and a long prompt arriving must
         not hold that row for its whole prefill."""
-        p = next((p for p in self.prefills.joining.values() if p.sampled), None)
-        if p is None:
+        begun = [p for p in self.prefills.joining.values() if p.sampled]
+        if not begun:
             return
-        budget = self.prefills.budget(self.step_times, len(self.seqs))
+        p = min(begun, key=lambda p: p.drafter_left)  # the least left first: a short prompt's row waits least
+        decoding = sum(s.id not in self.prefills.joining for s in self.seqs)
+        budget = self.prefills.budget(self.step_times, decoding)
         if self.prefills.drafter_chunk(p, budget / 2 if feeding_rows else budget):
             self._ready(p)
 

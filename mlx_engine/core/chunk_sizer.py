@@ -13,7 +13,10 @@ Deep in a long prompt even one token may not fit (its attention alone outweighs 
 then says what share of one token's pass does, and `layers` turns that into the decoder layers a chunk
 crosses this step (target_model/layer_span.py). A chunk that crossed m of L layers counts as n * m / L tokens.
 `fits` grows at most twofold per chunk, as the token count does (one noisy short step must not make the
-next one take a whole deep token at once).
+next one take a whole deep token at once), times the growth of the room itself: when the budget widens
+(the streams beside it ended: the idle budget now), the chunk widens with it at once, not by doublings
+from the one-token chunks a stream beside it allowed (a short prompt arriving then went 1, 2, 4, 8 tokens
+over four steps).
 """
 
 from __future__ import annotations
@@ -32,6 +35,8 @@ class ChunkSizer:
         self.last: tuple[float, float] | None = None  # (tokens, seconds) of the last timed chunk
         self.depth = 0  # prompt positions before the last timed chunk
         self.fits = float(self.n)  # tokens of a whole pass that fit the budget, as measured (may be < 1)
+        self.room = 0.0  # seconds the last sized chunk had (margin x budget - base)
+        self.timed_room = 0.0  # that of the last timed chunk
 
     def size(self, budget: float | None, base: float = 0.0, depth: int | None = None) -> int:
         """Tokens for the next chunk; budget None: no one is waiting, take the largest. base: seconds of the
@@ -46,8 +51,10 @@ class ChunkSizer:
             if depth is not None:
                 per_token *= (depth + self.reach) / (self.depth + self.reach)
             room = self.margin * budget - base
-            self.fits = min(room / per_token, 2.0 * n) if per_token > 0 else 2.0 * n  # at most doubling
+            grow = 2.0 * max(1.0, room / self.timed_room) if self.timed_room > 0 else 2.0
+            self.fits = min(room / per_token, grow * n) if per_token > 0 else grow * n  # at most doubling
             self.n = max(1, min(int(self.fits), self.largest))  # (fits holds the doubling bound)
+            self.room = room
         return self.n
 
     def layers(self, tokens: int, left: int, total: int) -> int:
@@ -65,4 +72,4 @@ class ChunkSizer:
         """A chunk's measured time (only chunks sized to a budget steer the next size); depth: prompt
         positions before it."""
         if budgeted and tokens > 0:
-            self.last, self.depth = (tokens, seconds), depth
+            self.last, self.depth, self.timed_room = (tokens, seconds), depth, self.room

@@ -52,6 +52,16 @@ class ChainDrafter:
         feed = getattr(self.model, "prefill_pending", None)
         return feed(limit) if feed is not None else 0
 
+    def keepable(self) -> bool:
+        """The model drafter's state can go to the prefix tree (the n-gram index is rebuilt from tokens)."""
+        return bool(getattr(self.model, "keepable", lambda: False)())
+
+    def prefix_states(self) -> tuple[list, int]:
+        return self.model.prefix_states()
+
+    def restore(self, states: list, n: int) -> None:
+        self.model.restore(states, n)
+
     def next_member(self) -> str:
         """Who drafts the next cycle: the lookup member when the context has a match ("ngram" or
         "ngram:long" by its length; "suffix" / "suffix:long"), else the model drafter."""

@@ -31,11 +31,13 @@ from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_map
 from mlx_lm.models.cache import KVCache
 from mlx_lm.models.rope_utils import initialize_rope
 
 from .. import host
 from ..sampling import SamplingConfig, choose
+from ..target_model import prefix_cache as prefix_ops
 from ..target_model.hidden import HiddenRequest
 from .base import Draft, Verdict
 
@@ -81,14 +83,20 @@ class Attention(nn.Module):
     def _heads(self, x, n):
         return x.reshape(1, x.shape[0], n, self.D).transpose(0, 2, 1, 3)
 
+    def append_context(self, ctx, rope, cache: KVCache, start: int):
+        """ctx [P, H]'s keys and values at positions start..start+P-1 into the cache (each a function of its
+        own row: the context does not attend). -> the cache's keys and values."""
+        P = ctx.shape[0]
+        kc = self.k_norm(self.k_proj(ctx).reshape(1, P, self.nkv, self.D)).transpose(0, 2, 1, 3)
+        return cache.update_and_fetch(rope(kc, offset=start), self._heads(self.v_proj(ctx), self.nkv))
+
     def __call__(self, x, ctx, rope, cache: KVCache, start: int):
         """x [B, H] (the block, normed), ctx [P, H] (new context rows at positions start..start+P-1)."""
         B, P = x.shape[0], ctx.shape[0]
         q = self.q_norm(self.q_proj(x).reshape(1, B, self.nh, self.D)).transpose(0, 2, 1, 3)
         q = rope(q, offset=start + P)
         if P:
-            kc = self.k_norm(self.k_proj(ctx).reshape(1, P, self.nkv, self.D)).transpose(0, 2, 1, 3)
-            ck, cv = cache.update_and_fetch(rope(kc, offset=start), self._heads(self.v_proj(ctx), self.nkv))
+            ck, cv = self.append_context(ctx, rope, cache, start)
         else:
             ck, cv = cache.keys[..., : cache.offset, :], cache.values[..., : cache.offset, :]
         kb = self.k_norm(self.k_proj(x).reshape(1, B, self.nkv, self.D)).transpose(0, 2, 1, 3)
@@ -167,6 +175,13 @@ class DFlashModel(nn.Module):
     def make_cache(self) -> list:
         return [KVCache() for _ in self.layers]
 
+    def feed_context(self, features: mx.array, cache: list, start: int) -> None:
+        """Only the context rows' keys and values (features [P, n_ids * H] at positions start..): what a
+        block pass would append, without the block (a long prompt's rows, a piece at a time)."""
+        ctx = self.hidden_norm(self.fc(features))
+        for layer, c in zip(self.layers, cache):
+            layer.self_attn.append_context(ctx, self.rope, c, start)
+
     def __call__(self, block_emb: mx.array, features: mx.array, cache: list, start: int) -> mx.array:
         """block_emb [B, H]; features [P, n_ids * H] of the new context rows (positions start..start+P-1);
         the block sits at start+P... -> final-normed block hidden [B, H]. Appends the context K/V."""
@@ -232,6 +247,37 @@ class DFlashDrafter:
         self.cache = self.model.make_cache()
         self.history = list(tokens)
         self._pending = [hidden]
+
+    def prefill_pending(self, limit: int) -> int:
+        """Feed up to `limit` pending context rows (a long prompt's, a piece at a time: the batch engine
+        interleaves them with other rows' steps). Returns how many are still pending."""
+        feats = mx.concatenate(self._pending) if len(self._pending) > 1 else self._pending[0]
+        n = min(limit, feats.shape[0])
+        if n > 0:
+            self.model.feed_context(feats[:n], self.cache, self.cache[0].offset)
+            host.wait([c.state for c in self.cache])
+        self._pending = [feats[n:]]
+        return feats.shape[0] - n
+
+    # -- the prefix tree's share (core/drafter_prefix.py) ------------------------------------------------
+    def keepable(self) -> bool:
+        """Context rows are a function of their own position's features: kept, unless a layer keeps a
+        sliding window (its cache may drop rows)."""
+        return True
+
+    def prefix_states(self) -> tuple[list, int]:
+        """Its context rows, position for position the target's: (per-layer states, positions held)."""
+        n = self.cache[0].offset if self.cache else 0
+        return (prefix_ops.layer_states(self.cache, n), n) if n else ([], 0)
+
+    def restore(self, states: list, n: int) -> None:
+        """After begin(): the first n positions' context rows from the prefix tree, not fed again."""
+        feats = mx.concatenate(self._pending) if len(self._pending) > 1 else self._pending[0]
+        n = min(n, feats.shape[0])
+        if n <= 0:
+            return
+        prefix_ops.fill(self.cache, [tree_map(lambda a: a[..., :n, :], s) for s in states], n)
+        self._pending = [feats[n:]]
 
     def block_hidden(self) -> mx.array:
         """Feed the pending context rows, run the block: final-normed hidden [block_size, H] (row 0 is the

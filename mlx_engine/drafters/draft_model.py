@@ -9,9 +9,10 @@ rollback, or the last draft after a full accept); `propose` feeds pending + last
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten
+from mlx.utils import tree_flatten, tree_map
 
 from ..target_model import cache as cache_ops
+from ..target_model import prefix_cache as prefix_ops
 from .. import host
 from ..sampling import SamplingConfig, choose
 from .base import Draft, Verdict
@@ -79,6 +80,26 @@ class DraftModelDrafter:
             host.wait([c.state for c in self.cache])
             self.pending = self.pending[n:]
         return max(len(self.pending) - 1, 0)
+
+    # -- the prefix tree's share (core/drafter_prefix.py) ------------------------------------------------
+    def keepable(self) -> bool:
+        """Whether its cache's entries are a function of a prefix's tokens alone (plain KV layers)."""
+        return prefix_ops.supported(self.cache or cache_ops.make_cache(self.model)) is None
+
+    def prefix_states(self) -> tuple[list, int]:
+        """Its cache entries, position for position the target's: (per-layer states, positions held).
+        Between cycles."""
+        n = self.cache[0].offset if self.cache else 0
+        return (prefix_ops.layer_states(self.cache, n), n) if n else ([], 0)
+
+    def restore(self, states: list, n: int) -> None:
+        """After begin(): the first n prompt positions' entries from the prefix tree, not fed again (the
+        last pending token still waits for propose)."""
+        n = min(n, len(self.pending) - 1)
+        if n <= 0:
+            return
+        prefix_ops.fill(self.cache, [tree_map(lambda a: a[..., :n, :], s) for s in states], n)
+        self.pending = self.pending[n:]
 
     def propose(self, k: int, sampling: SamplingConfig, key: mx.array) -> Draft:
         while len(self.pending) > self.prefill_step:  # a long prompt, in chunks

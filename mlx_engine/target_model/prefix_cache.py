@@ -9,8 +9,12 @@ run of tokens can start from a copy of their entries instead of prefilling them 
 
 An edge holds, per layer, the cache state of its tokens (keys/values [1, H, n, D], or a quantized cache's
 (data, scales, biases) triples: any tuple tree whose arrays have the token axis at -2) and optionally the
-target hidden rows a drafter reads ([n, H']). Edges split at the token where a new sequence leaves them,
-so reuse is exact to the token. Stored arrays are copies: the tree never keeps a live cache alive.
+target hidden rows a drafter reads ([n, H']), and optionally the drafter's own cache entries of those
+positions (an MTP head's or a draft model's KV, in the tree's position frame: `drafter_states` of the
+drafter), so a hit costs the drafter no re-feed either. An edge stored without them (a row that left
+before its drafter was fed) is filled in when a later sequence with them passes along it; a lookup
+returns them for the leading edges that have them. Edges split at the token where a new sequence leaves
+them, so reuse is exact to the token. Stored arrays are copies: the tree never keeps a live cache alive.
 
 Only caches whose entries are a function of their own tokens (KVCache, QuantizedKVCache) can be cached
 this way; `supported(cache)` says why not for the rest (recurrent states, rotating windows).
@@ -65,6 +69,16 @@ def layer_states(cache: list, n: int) -> list:
     return [tree_map(lambda a: a[..., :n, :], (c.keys, c.values)) for c in cache]
 
 
+def shifted(states: list, n: int) -> tuple[list, int]:
+    """The first n entries of per-layer states moved one position on, position 0 zeros: (states, n + 1).
+    For a drafter whose entry p belongs to the prefix of p + 2 tokens (an MTP head's slot p reads the
+    hidden row of position p and token p + 1), so the tree slices it with the target's entries."""
+    def move(a):
+        pad = mx.zeros(a.shape[:-2] + (1, a.shape[-1]), a.dtype)
+        return mx.concatenate([pad, a[..., :n, :]], axis=-2)
+    return [tree_map(move, s) for s in states], n + 1
+
+
 def fill(cache: list, states: list, n: int) -> None:
     """Load n positions of layer states into fresh single-sequence caches (the inverse of layer_states)."""
     for c, (keys, values) in zip(cache, states):
@@ -72,22 +86,26 @@ def fill(cache: list, states: list, n: int) -> None:
 
 
 class _Node:
-    __slots__ = ("tokens", "layers", "hidden", "children", "parent", "used", "nbytes")
+    __slots__ = ("tokens", "layers", "hidden", "drafter", "children", "parent", "used", "nbytes")
 
-    def __init__(self, tokens: list[int], layers: list, hidden, parent: "_Node | None"):
+    def __init__(self, tokens: list[int], layers: list, hidden, parent: "_Node | None", drafter: list | None = None):
         self.tokens, self.layers, self.hidden, self.parent = tokens, layers, hidden, parent
+        self.drafter = drafter  # the drafter's per-layer states of these positions, or None
         self.children: dict[int, _Node] = {}
         self.used = 0
-        self.nbytes = _nbytes(layers) + (hidden.nbytes if hidden is not None else 0)
+        self.nbytes = _nbytes(layers) + (hidden.nbytes if hidden is not None else 0) + _nbytes(drafter or [])
 
 
 @dataclass
 class Hit:
-    """What a lookup found: the first n tokens' layer states [1, H, n, D] (per layer) and hidden rows."""
+    """What a lookup found: the first n tokens' layer states [1, H, n, D] (per layer) and hidden rows; the
+    drafter's states of the first drafter_n of them (0: none stored)."""
 
     n: int
     layers: list | None = None
     hidden: mx.array | None = None
+    drafter: list | None = None
+    drafter_n: int = 0
 
 
 class PrefixCache:
@@ -145,45 +163,67 @@ class PrefixCache:
             hidden = mx.concatenate([node.hidden[:m] for node, m in path]) if len(path) > 1 else path[0][0].hidden[:n]
         self.hits += 1
         self.hit_tokens += n
-        return Hit(n, layers, hidden)
+        kept = []  # the leading edges holding the drafter's states
+        for node, m in path:
+            if node.drafter is None:
+                break
+            kept.append(node.drafter if m == len(node.tokens) else [_slice(s, 0, m) for s in node.drafter])
+        drafter = [_concat([p[i] for p in kept]) for i in range(len(kept[0]))] if kept else None
+        drafter_n = sum(m for _, m in path[: len(kept)])
+        return Hit(n, layers, hidden, drafter, drafter_n)
 
     # -- writing -----------------------------------------------------------------------------------------
-    def insert(self, tokens: list[int], layers: list, hidden: mx.array | None = None, copy: bool = True) -> int:
+    def insert(self, tokens: list[int], layers: list, hidden: mx.array | None = None, copy: bool = True,
+               drafter: list | None = None) -> int:
         """Store the entries of `tokens` (layers: per layer, a state holding at least len(tokens) positions,
-        e.g. layer_states(cache, n); hidden: their hidden rows when the tree keeps them). Only the part not
-        cached yet is stored: copied, or with copy=False kept as views of the caller's arrays (a cache it
-        hands over and will not write again: no copy, no wait). Returns the tokens newly stored."""
+        e.g. layer_states(cache, n); hidden: their hidden rows when the tree keeps them; drafter: the
+        drafter's per-layer states of the same positions, or None). Only the part not cached yet is stored:
+        copied, or with copy=False kept as views of the caller's arrays (a cache it hands over and will not
+        write again: no copy, no wait); edges on the way that lack the drafter's states take them. Returns
+        the tokens newly stored."""
         if self.with_hidden and hidden is None:
             raise ValueError("this prefix cache keeps hidden rows: insert needs them")
         path = self._walk(tokens)
         self._tick += 1
+        cut = _slice if copy else _view
         node, pos = self.root, 0
+        filled = []
         for child, m in path:
             if m < len(child.tokens):  # the new sequence leaves this edge at m: split it there
                 child = self._split(child, m)
             child.used = self._tick
+            if drafter is not None and child.drafter is None:
+                child.drafter = [cut(s, pos, pos + m) for s in drafter]
+                child.nbytes += _nbytes(child.drafter)
+                self.nbytes += _nbytes(child.drafter)
+                filled += child.drafter
             node, pos = child, pos + m
         if pos >= len(tokens):
+            if copy and filled:
+                host.wait(filled)
+            self._evict()
             return 0
-        cut = _slice if copy else _view
         new = _Node(list(tokens[pos:]), [cut(s, pos, len(tokens)) for s in layers],
-                    cut(hidden[None, None], pos, len(tokens))[0, 0] if self.with_hidden else None, node)
+                    cut(hidden[None, None], pos, len(tokens))[0, 0] if self.with_hidden else None, node,
+                    [cut(s, pos, len(tokens)) for s in drafter] if drafter is not None else None)
         new.used = self._tick
         node.children[tokens[pos]] = new
         self.nbytes += new.nbytes
         if copy:  # copy now: the source moves on
-            host.wait(new.layers, *([new.hidden] if new.hidden is not None else []))
+            host.wait(new.layers, *([new.hidden] if new.hidden is not None else []), new.drafter or [], filled)
         self._evict(keep=new)
         return len(tokens) - pos
 
     def _split(self, node: _Node, m: int) -> _Node:
         """Cut node's edge after m tokens: returns the new upper node (the old one keeps the rest)."""
         upper = _Node(node.tokens[:m], [_slice(s, 0, m) for s in node.layers],
-                      mx.contiguous(node.hidden[:m]) if node.hidden is not None else None, node.parent)
+                      mx.contiguous(node.hidden[:m]) if node.hidden is not None else None, node.parent,
+                      [_slice(s, 0, m) for s in node.drafter] if node.drafter is not None else None)
         upper.used = node.used
         node.parent.children[node.tokens[0]] = upper
         rest = _Node(node.tokens[m:], [_slice(s, m) for s in node.layers],
-                     mx.contiguous(node.hidden[m:]) if node.hidden is not None else None, upper)
+                     mx.contiguous(node.hidden[m:]) if node.hidden is not None else None, upper,
+                     [_slice(s, m) for s in node.drafter] if node.drafter is not None else None)
         rest.used, rest.children = node.used, node.children
         for c in rest.children.values():
             c.parent = rest

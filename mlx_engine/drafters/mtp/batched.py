@@ -71,6 +71,14 @@ class BatchedMTP:
         for name in ("history", "pend_h", "pend_tok", "out"):
             setattr(self, name, [getattr(self, name)[i] for i in rows])
 
+    def row_prefix_states(self, i: int) -> tuple[list, int]:
+        """Row i's head entries in the prefix tree's frame (MTPDrafter.prefix_states): its fed slots (its
+        pending ones are not in the cache yet). Between steps (no chained draft-time entries)."""
+        from ...target_model.prefix_cache import shifted
+
+        n = self.cache[0].lens[i] if self.cache else 0
+        return shifted([bc.row(i) for bc in self.cache], n) if n else ([], 0)
+
     # -- drafting ---------------------------------------------------------------------------------------
     def _layer(self, i: int, tokens: mx.array, h: mx.array) -> mx.array:
         """Layer i on [B, T] tokens and hidden rows [B, T, H] -> h' [B, T, H] (writes T entries per row)."""

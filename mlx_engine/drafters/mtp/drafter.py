@@ -23,7 +23,10 @@ import mlx.nn as nn
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache
 
+from mlx.utils import tree_map
+
 from ...target_model import cache as cache_ops
+from ...target_model import prefix_cache as prefix_ops
 from ... import host
 from ...sampling import SamplingConfig, choose
 from ..base import Draft, Verdict
@@ -172,6 +175,30 @@ class MTPDrafter:
     def flush(self) -> None:
         """Feed the pending slots now (tests inspect the cache after it; propose does it anyway)."""
         self._feed_pending()
+
+    # -- the prefix tree's share (core/drafter_prefix.py) ------------------------------------------------
+    def keepable(self) -> bool:
+        """Whether the head's entries are a function of a prefix's tokens alone (not a sliding window)."""
+        return all(w is None for w in self.head.windows) and prefix_ops.supported(self.cache or
+                                                                                  self.head.make_cache()) is None
+
+    def prefix_states(self) -> tuple[list, int]:
+        """The head's entries in the prefix tree's position frame: slot p (the hidden row of position p and
+        token p + 1) at position p + 1, position 0 empty (zeros). -> (per-layer states, positions covered:
+        the fed slots + 1). Between cycles (no chained draft-time entries)."""
+        if not self.cache or self.cache[0].offset == 0:
+            return [], 0
+        return prefix_ops.shifted([(c.keys, c.values) for c in self.cache], self.cache[0].offset)
+
+    def restore(self, states: list, n: int) -> None:
+        """After begin(): the first n positions' entries from the prefix tree (states in its frame): slots
+        0..n-2 are not fed again."""
+        slots = min(n - 1, len(self._pend_tok))
+        if slots <= 0:
+            return
+        prefix_ops.fill(self.cache, [tree_map(lambda a: a[..., 1 : slots + 1, :], s) for s in states], slots)
+        h_all = mx.concatenate(self._pend_h) if len(self._pend_h) > 1 else self._pend_h[0]
+        self._pend_h, self._pend_tok = [h_all[slots:]], self._pend_tok[slots:]
 
     # -- the protocol ------------------------------------------------------------------------------
     def begin(self, tokens: list[int], hidden: mx.array | None) -> None:

@@ -1,0 +1,254 @@
+"""An agent's long prompt must not starve the batch engine (issue 39): a short request that arrives while a
+long prompt is fed, in the target's stage or the drafter's, gets its first token within a bounded number
+of engine steps (steps, not seconds: any machine); a prefix-tree hit re-feeds neither the target nor the
+drafter (tokens counted), and the drafter's restored entries equal those of a cold feed; a row cancelled
+in its drafter stage leaves at the next step; greedy output is unchanged throughout. For every drafter kind
+the server batches with: none, mtp, eagle3, dflash, a draft model, suffix+mtp."""
+
+import copy
+import json
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import dflash_util
+import tiny_models
+from eagle3_writer import write_eagle3
+from mlx_engine.core import drafter_prefix
+from mlx_engine.core.batch_engine import BatchEngine
+from mlx_engine.drafters.chain import ChainDrafter
+from mlx_engine.drafters.dflash import DFlashDrafter, DFlashModel, load_dflash
+from mlx_engine.drafters.draft_model import DraftModelDrafter
+from mlx_engine.drafters.eagle3 import load_eagle3_drafter
+from mlx_engine.drafters.mtp import load_mtp_drafter
+from mlx_engine.drafters.mtp.drafter import MTPDrafter
+from mlx_engine.drafters.suffix import SuffixDrafter
+from mlx_engine.drafters.suffix_cache import SuffixCache
+from mlx_engine.target_model.model import Target
+from test_batch_prefill import alone, assert_greedy_equal
+from test_greedy_equality import noisy_copy
+from test_mtp_helpers import load_hf, make
+
+KINDS = ["none", "mtp", "eagle3", "dflash", "draft", "suffix+mtp"]
+KEPT = [k for k in KINDS if k != "none"]
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """kind -> (target model, a fresh drafter each call, vocabulary)."""
+    cache = {}
+
+    def get(kind):
+        if kind in cache:
+            model, factory, vocab = cache[kind]
+            return model, factory(), vocab
+        if kind in ("mtp", "suffix+mtp"):
+            folder = make(tmp_path_factory, "deepseek_v3")
+            model, config = load_hf(folder)
+            proto = load_mtp_drafter(model, folder, config)
+            vocab = Target(model).vocab_size
+            factory = (lambda: proto) if kind == "mtp" else \
+                (lambda: ChainDrafter(proto, SuffixDrafter(SuffixCache(), min_match=2)))
+        elif kind == "eagle3":
+            model, cfg = tiny_models.build("llama", seed=0, num_hidden_layers=6)
+            folder = tmp_path_factory.mktemp("eagle3")
+            write_eagle3(folder, cfg)
+            proto = load_eagle3_drafter(folder, model)
+            factory, vocab = (lambda: proto), tiny_models.VOCAB
+        elif kind == "dflash":
+            vocab = 64
+            model = tiny_models.build("qwen3", seed=2, vocab=vocab)[0]
+            folder = tmp_path_factory.mktemp("dflash") / "full"
+            dflash_util.write_dflash(folder, 48, vocab, layer_ids=(0, 1))
+            proto = DFlashDrafter(load_dflash(folder), model)
+            factory = lambda: proto
+        elif kind == "draft":
+            model, vocab = tiny_models.build("llama", seed=1)[0], tiny_models.VOCAB
+            proto = DraftModelDrafter(noisy_copy("llama"), vocab)
+            factory = lambda: proto
+        else:
+            model, vocab = tiny_models.build("llama", seed=3)[0], tiny_models.VOCAB
+            factory = lambda: None
+        cache[kind] = (model, factory, vocab)
+        return model, factory(), vocab
+
+    return get
+
+
+def prompts(vocab):
+    rng = np.random.default_rng(11)
+    long = rng.integers(1, vocab, 300).tolist()
+    short = rng.integers(1, vocab, 8).tolist()
+    return long, short
+
+
+def engine_for(model, drafter, **kw):
+    # a huge idle budget: chunks grow to prefill_step whatever this machine's speed (counts, not seconds)
+    return BatchEngine(model, drafter, num_draft=2, prefill_step=16, idle_budget=1e6, **kw)
+
+
+def step_until(engine, cond, out, limit):
+    """Step until cond(outputs so far) holds; -> the steps it took (fails past `limit`)."""
+    for n in range(1, limit + 1):
+        for o in engine.step():
+            out.setdefault(o.seq_id, []).extend(o.tokens)
+        if cond(out):
+            return n
+    raise AssertionError(f"not within {limit} steps; prefilling: {engine.prefilling()}")
+
+
+def drain(engine, out):
+    step_until(engine, lambda _: not engine.running(), out, 3000)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_short_request_is_not_starved_by_a_long_prompt_in_either_stage(built, kind):
+    model, drafter, vocab = built(kind)
+    long, short = prompts(vocab)
+    engine = engine_for(model, drafter)
+    out = {}
+    engine.add("long", long, 12)
+    for _ in range(4):
+        engine.step()
+    assert [p["stage"] for p in engine.prefilling()] == ["target"]
+    engine.add("short", short, 6)  # while the long prompt's target stage runs
+    fed = []
+    steps = step_until(engine, lambda o: fed.append(engine.prefilling()[0]["done"]) or o.get("short"), out, 20)
+    assert steps <= 2, f"first token after {steps} steps (its row made, then its prompt fed)"
+    # the newcomer's steps carry its own work only: the long prompt waits (beside its chunk, the short one
+    # would wait as long as that chunk takes)
+    assert engine.prefilling()[0]["id"] == "long" and len(set(fed)) == 1, fed
+    step_until(engine, lambda o: len(o.get("short", [])) >= 6, out, 40)
+    if kind != "none":  # the long one's drafter stage: a new short request again goes first
+        step_until(engine, lambda o: o.get("long"), out, 200)
+        assert [(p["id"], p["stage"]) for p in engine.prefilling()] == [("long", "drafter")]
+        engine.add("short2", short[::-1], 6)
+        steps = step_until(engine, lambda o: o.get("short2"), out, 20)
+        assert steps <= 2, f"first token after {steps} steps in the long one's drafter stage"
+        # its own drafter stage (8 positions) is fed before the long one's rest: it drafts within a step
+        step_until(engine, lambda _: engine.prefilling() == [] or "short2" not in
+                   [p["id"] for p in engine.prefilling()], out, 4)
+        assert any(p["id"] == "long" for p in engine.prefilling()), "the long drafter was done first anyway"
+    drain(engine, out)
+    for sid, p, n in (("long", long, 12), ("short", short, 6), ("short2", short[::-1], 6)):
+        if sid in out:
+            assert_greedy_equal(model, p, out[sid], alone(model, p, n))
+
+
+class FeedCounter:
+    """Counts the positions every drafter kind feeds into its own state (patched at its feeding primitive)."""
+
+    def __init__(self, monkeypatch):
+        self.n = 0
+        real_feed = MTPDrafter._feed_pending
+
+        def mtp_feed(d, limit=None):
+            before = len(d._pend_tok)
+            real_feed(d, limit)
+            self.n += before - len(d._pend_tok)
+        monkeypatch.setattr(MTPDrafter, "_feed_pending", mtp_feed)
+        real_forward = DraftModelDrafter._forward
+        monkeypatch.setattr(DraftModelDrafter, "_forward",
+                            lambda d, t: self.add(t.shape[0]) or real_forward(d, t))
+        real_context = DFlashModel.feed_context
+        monkeypatch.setattr(DFlashModel, "feed_context",
+                            lambda m, f, c, s: self.add(f.shape[0]) or real_context(m, f, c, s))
+        real_block = DFlashDrafter.block_hidden
+        monkeypatch.setattr(DFlashDrafter, "block_hidden",
+                            lambda d: self.add(sum(p.shape[0] for p in d._pending)) or real_block(d))
+
+    def add(self, n):
+        self.n += n
+
+
+def reference_states(engine, drafter, tokens):
+    """The drafter's state after a cold feed of `tokens` (prompt + first token), in the tree's frame."""
+    target = engine.target
+    _, hidden = target.forward(mx.array(tokens[:-1]), target.make_cache(), engine.want_hidden)
+    ref = copy.copy(drafter)
+    ref.begin(list(tokens), hidden)
+    while getattr(ref, "prefill_pending", lambda n: 0)(1 << 20):
+        pass
+    getattr(ref, "flush", lambda: None)()
+    return ref.prefix_states()
+
+
+@pytest.mark.parametrize("kind", KEPT)
+def test_a_prefix_hit_refeeds_neither_the_target_nor_the_drafter(built, kind, monkeypatch):
+    model, drafter, vocab = built(kind)
+    long, _ = prompts(vocab)
+    turn1 = long[:200]
+    engine = engine_for(model, drafter)
+    assert engine.drafter_kept is None, engine.drafter_kept
+    out = {}
+    engine.add("t1", turn1, 16)
+    drain(engine, out)
+    turn2 = turn1 + out["t1"] + [7, 8, 9]
+    counter = FeedCounter(monkeypatch)
+    engine.add("t2", turn2, 16)
+    s = None
+    for _ in range(100):  # until its drafter drafts: then its state is compared with a cold feed's
+        for o in engine.step():
+            out.setdefault(o.seq_id, []).extend(o.tokens)
+        s = next((s for s in engine.seqs if s.id == "t2"), None)
+        if s is not None and engine._ready_to_draft(s):
+            break
+    fed_at_ready = counter.n
+    new = len(turn2) - len(turn1)
+    assert fed_at_ready <= new + 2, f"the drafter was fed {fed_at_ready} positions for {new} new tokens"
+    states, n = drafter_prefix.row_states(engine, s)
+    ref, ref_n = reference_states(engine, drafter, s.history)
+    m = min(n, ref_n)
+    assert m >= len(turn2) - 1
+    for got, want in zip(states, ref):
+        for a, b in zip(got, want):
+            np.testing.assert_allclose(np.array(a[..., :m, :]), np.array(b[..., :m, :]), rtol=2e-3, atol=2e-4)
+    drain(engine, out)
+    assert s.reused >= len(turn1) + len(out["t1"]) - 1  # the target's side: its prefill skipped too
+    assert_greedy_equal(model, turn2, out["t2"], alone(model, turn2, 16))
+    # the same turn cold: the drafter is fed the whole prompt (what the count above would show without it)
+    cold = engine_for(model, copy.copy(drafter), prefix_cache_bytes=0)
+    counter.n = 0
+    cold.add("t2", turn2, 2)
+    step_until(cold, lambda _: not cold.running(), {}, 200)
+    assert counter.n >= len(turn2) - 2
+
+
+@pytest.mark.parametrize("kind", ["mtp", "draft"])
+def test_cancel_in_the_drafter_stage_frees_the_row(built, kind):
+    model, drafter, vocab = built(kind)
+    long, short = prompts(vocab)
+    engine = engine_for(model, drafter, max_batch=2)
+    out = {}
+    engine.add("long", long, 12)
+    step_until(engine, lambda o: o.get("long"), out, 200)
+    assert [(p["id"], p["stage"]) for p in engine.prefilling()] == [("long", "drafter")]
+    engine.cancel("long")
+    outs = engine.step()
+    assert [(o.seq_id, o.finished) for o in outs] == [("long", "cancelled")]
+    assert engine.prefilling() == [] and engine.running() == 0 and engine.free_slots() == 2
+    engine.add("short", short, 4)
+    drain(engine, out)
+    assert out["short"] == alone(model, short, 4)
+
+
+def test_a_pass_that_only_feeds_a_prompt_is_evaluated_in_its_step(built, monkeypatch):
+    """A step that feeds a chunk and hands out no token waits for its pass: left lazy, the chunks' graph piled
+    up over the whole prompt (steps timed at ~0, the step that finally read a token paid for all of them)."""
+    from mlx_engine import host
+
+    model, _, vocab = built("none")
+    long, _ = prompts(vocab)
+    engine = engine_for(model, None)
+    engine.add("long", long, 4)
+    engine.step()  # the first chunk, alone (the batch's shapes come from it)
+    waits = []
+    real = host.wait
+    monkeypatch.setattr(host, "wait", lambda *a: waits.append(a) or real(*a))
+    for _ in range(3):
+        waits.clear()
+        engine.step()
+        assert waits, "a prompt-only step left its pass unevaluated"
+        for bc in engine.cache:
+            assert all(a is not None for a in bc.state)
