@@ -278,6 +278,11 @@ MUTANTS = [
            "[tree_map(lambda a: a[..., :slots, :], s) for s in states]",
            ("tests/test_agent_prefill.py", "-k", "refeeds_neither and eagle3"),
            "the head's restored entries read one position early (the tree's frame has slot p at p + 1)"),
+    Mutant("idle-share-not-skipped", "mlx_engine/target_model/layer_span.py",
+           "if len(idle() | resting) == x.shape[0] and hasattr(cache, \"lens\"):",
+           "if False:",
+           ("tests/test_agent_prefill.py", "-k", "shares"),
+           "a prompt fed alone crossing some layers still computes every layer: each share costs a whole pass"),
 ]
 
 

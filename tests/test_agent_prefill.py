@@ -252,3 +252,70 @@ def test_a_pass_that_only_feeds_a_prompt_is_evaluated_in_its_step(built, monkeyp
         assert waits, "a prompt-only step left its pass unevaluated"
         for bc in engine.cache:
             assert all(a is not None for a in bc.state)
+
+
+def test_a_prompt_fed_alone_crosses_the_layers_in_shares_skipping_the_rest(monkeypatch):
+    """While nothing decodes, a chunk too long for one IDLE_STEP crosses the decoder layers over several
+    steps and the layers it does not cross are not computed at all (so a request arriving waits for a share,
+    not for the whole chunk); the output equals the request alone, and a short request arriving
+    mid-crossing still has its first token two steps later."""
+    from mlx_lm.models.llama import TransformerBlock
+
+    from mlx_engine.core import batch_prefill
+
+    model = tiny_models.build("llama", seed=3, num_hidden_layers=4)[0]
+    long, short = prompts(tiny_models.VOCAB)
+    engine = engine_for(model, None)
+    engine.add("long", long, 8)
+    out = {}
+    step_until(engine, lambda _: engine.prefilling()[0]["done"] >= 16, out, 10)  # its chunk time measured
+    monkeypatch.setattr(batch_prefill, "IDLE_STEP", 1e-12)  # every chunk now crosses a layer a step
+    calls = []
+    real = TransformerBlock.__call__
+    monkeypatch.setattr(TransformerBlock, "__call__", lambda self, *a, **k: calls.append(1) or real(self, *a, **k))
+    done = []
+    for _ in range(8):
+        calls.clear()
+        engine.step()
+        done.append(engine.prefilling()[0]["done"])
+        assert len(calls) == 1, f"{len(calls)} layers computed in a step that crosses one"
+    assert done[3] == done[0] + 16 and done[:3] == [done[0]] * 3  # 4 steps (layers) per 16-token chunk
+    assert done[7] == done[4] + 16  # the chunk keeps its size (a share is not a smaller chunk)
+    monkeypatch.setattr(batch_prefill, "IDLE_STEP", 1e6)  # a short prompt's chunk is not split
+    engine.add("short", short, 4)
+    steps = step_until(engine, lambda o: o.get("short"), out, 20)
+    assert steps <= 2
+    drain(engine, out)
+    assert_greedy_equal(model, long, out["long"], alone(model, long, 8))
+    assert_greedy_equal(model, short, out["short"], alone(model, short, 4))
+
+
+def test_a_chunk_crossing_in_shares_waits_while_a_row_decodes(monkeypatch):
+    """A chunk fed alone in layer shares, when a row starts decoding beside it, waits (beside the decoding
+    row its whole width would run every layer's matmuls each step) and then finishes at once; outputs equal
+    each request alone."""
+    from mlx_engine.core import batch_prefill
+
+    model = tiny_models.build("llama", seed=3, num_hidden_layers=4)[0]
+    long, short = prompts(tiny_models.VOCAB)
+    engine = engine_for(model, None)
+    engine.add("long", long, 8)
+    out = {}
+    step_until(engine, lambda _: engine.prefilling()[0]["done"] >= 16, out, 10)
+    monkeypatch.setattr(batch_prefill, "IDLE_STEP", 1e-12)
+    engine.step()  # the next chunk crosses its first layer
+    p = engine.prefills.joining["long"]
+    assert p.layer == 1 and p.share == 1
+    monkeypatch.setattr(batch_prefill, "IDLE_STEP", 1e6)
+    monkeypatch.setattr(batch_prefill, "PAUSE_STEPS", 3)
+    engine.add("short", short, 12)
+    step_until(engine, lambda o: o.get("short"), out, 4)
+    layers = []
+    for _ in range(5):  # the short row decodes: the crossing waits PAUSE_STEPS steps, then ends in one
+        for o in engine.step():
+            out.setdefault(o.seq_id, []).extend(o.tokens)
+        layers.append(p.layer)
+    assert layers == [1, 1, 1, 0, 0], layers
+    drain(engine, out)
+    assert_greedy_equal(model, long, out["long"], alone(model, long, 8))
+    assert_greedy_equal(model, short, out["short"], alone(model, short, 12))

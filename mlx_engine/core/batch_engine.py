@@ -257,6 +257,8 @@ class BatchEngine(BatchRows):
             turn = [min(turn, key=lambda i: (feeding[i].left(), i))]
         if not decoding and any(f is not None and f.fresh for f in feeding):
             turn = []
+        if decoding and turn and self.prefills.paused_beside(feeding[turn[0]]):
+            turn = []
         if turn and not remeasure:
             cap = self.max_k + 1 if decoding and self.max_k < 1 << 30 else None  # invariant passes stay covered
             depth = max(feeding[i].done for i in turn)
@@ -354,9 +356,12 @@ class BatchEngine(BatchRows):
         if not chunk and decoding:  # a step that only decoded: the reference of the chunks' budget
             self.step_times = self.step_times[-63:] + [seconds]
             self._decoded_alone = self.steps
-        else:  # a chunk that crossed m of the L layers counts as m / L of its tokens
+        elif decoding:  # a chunk that crossed m of the L layers counts as m / L of its tokens
             self.prefills.observe(max(n * (spans[i].end - spans[i].start) / self.layer_count if i in spans else n
                                       for i, n in enumerate(fed)), seconds, depth)
+        else:  # fed alone: a share of m layers times as a whole pass's L / m (the chunk keeps its token count)
+            share = max(((sp.end - sp.start) / self.layer_count for sp in spans.values()), default=1.0)
+            self.prefills.observe(max(fed), seconds / share, depth)
         reshaped, self._reshaped = self._reshaped, False
         accepted, finished, start = [], [], 0
         for i, s in enumerate(self.seqs):

@@ -27,6 +27,7 @@ sequence leaves at once; what it had fed goes to the prefix tree, so a retry res
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -39,6 +40,10 @@ from .chunk_sizer import ChunkSizer
 
 STEP_BUDGET = 2.2  # a step that feeds prompt chunks may take this many times the median decoding step
 WAIT_FOR_TWIN = 32  # a new prompt waits for a row still feeding this many more tokens it shares
+IDLE_STEP = 0.25  # seconds a step feeding a prompt alone aims at (its chunk crossing the layers in shares)
+# such a chunk waits while rows decode (beside them its whole width would run every layer's matmuls each
+# step), at most this many steps, then crosses the rest of the layers in one step
+PAUSE_STEPS = 32
 
 
 @dataclass
@@ -53,6 +58,8 @@ class Prefilling:
     sampled: bool = False  # stage 1 done: the first token is out
     fresh: bool = True  # its row was made this step (the copies it took are this step's cost: no chunk yet)
     layer: int = 0  # > 0: a chunk is crossing the layers (layer_span): the next layer it enters
+    share: int = 0  # layers per step of a chunk fed alone crossing in shares (IDLE_STEP)
+    paused: int = 0  # steps that chunk has waited while rows decode (PAUSE_STEPS at most)
     carried: object | None = None  # that chunk's hidden state at the input of `layer` [n, H]
     inflight: int = 0  # that chunk's tokens
     drafter_sizer: ChunkSizer = field(default_factory=lambda: ChunkSizer(first=64, largest=2048))
@@ -165,21 +172,37 @@ class PrefillQueue:
     def span(self, p: Prefilling, row: int, fed: int, budgeted: bool, layers: int) -> Span | None:
         """The layers p's chunk crosses in this step when not all of them (None: all, the usual chunk). A
         chunk already crossing goes on from its layer; a new one-token chunk crosses only the share of the
-        layers that fits the budget (only while rows decode: without them there is no one to wait)."""
+        layers that fits the budget while rows decode. While none does, a chunk sized for idle_budget
+        crosses in steps of about IDLE_STEP each (the layers it does not cross are skipped: a request
+        arriving meanwhile waits for one such step, not for the whole chunk)."""
         if p.layer > 0:
             left = layers - p.layer
-            step = self.sizer.layers(p.inflight, left, layers) if budgeted else left
+            if p.share:  # a chunk fed alone in shares: beside decoding rows (paused long enough) it finishes
+                step = left if budgeted else min(left, p.share)
+            else:
+                step = self.sizer.layers(p.inflight, left, layers) if budgeted else left
             return Span(row, p.layer, p.layer + step, p.inflight, p.carried)
         if budgeted and fed == 1 and self.sizer.fits < 1:
             m = self.sizer.layers(1, layers, layers)
             return Span(row, 0, m, 1) if m < layers else None
+        seconds = self.sizer.predict(fed, p.done) if not budgeted else None
+        if seconds is not None and seconds > 1.5 * IDLE_STEP:
+            p.share = math.ceil(layers / math.ceil(seconds / IDLE_STEP))
+            return Span(row, 0, p.share, fed) if p.share < layers else None
         return None
+
+    def paused_beside(self, p: Prefilling) -> bool:
+        """Whether p's chunk, crossing in shares, waits this step (rows decode; PAUSE_STEPS at most)."""
+        if p.share and p.layer > 0 and p.paused < PAUSE_STEPS:
+            p.paused += 1
+            return True
+        return False
 
     def crossed(self, p: Prefilling, span: Span | None, layers: int) -> bool:
         """After the pass: True when p's chunk has crossed every layer (its logits and hidden state are
         real); else it carries on from span.end in the next step."""
         if span is None or span.end == layers:
-            p.layer, p.carried, p.inflight = 0, None, 0
+            p.layer, p.carried, p.inflight, p.share, p.paused = 0, None, 0, 0, 0
             return True
         p.layer, p.carried, p.inflight = span.end, span.captured, span.tokens
         return False

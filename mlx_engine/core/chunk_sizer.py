@@ -57,6 +57,14 @@ class ChunkSizer:
             self.room = room
         return self.n
 
+    def predict(self, tokens: int, depth: int) -> float | None:
+        """Seconds a chunk of `tokens` at `depth` takes as its own pass, from the last timed chunk (None:
+        none timed yet)."""
+        if self.last is None:
+            return None
+        n, t = self.last
+        return tokens * t / n * (depth + self.reach) / (self.depth + self.reach)
+
     def layers(self, tokens: int, left: int, total: int) -> int:
         """Decoder layers a chunk of `tokens` with `left` of the model's `total` layers still to cross takes
         in this step, from the last `size`: all that are left when they fit, else an even share of them

@@ -14,7 +14,9 @@ decoding beside it. Split by layers instead: in a pass with a span (row r, layer
 
 What row r computes inside [start, end) is what it would in a pass over all layers: the same input, the
 same keys. Its matmul rows still run in every layer (one more row of a batched pass, not a pass of its
-own: the weights are read once for everyone).
+own: the weights are read once for everyone), except in a layer where no row computes (a prompt fed alone,
+crossing the others' layers): that layer is skipped, so a chunk sized for a whole second crosses the
+model in steps of a fraction of it, the first layers' weights not read again for the last ones.
 
 `install(layers)` swaps each decoder layer's class for a subclass that does the above while `crossing`
 is active (parameters and names untouched; outside `crossing` it calls the layer as it is).
@@ -29,7 +31,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
-from .batch_sequences import idle_rows
+from .batch_sequences import idle, idle_rows
 
 
 @dataclass
@@ -72,7 +74,14 @@ def _spanning(cls: type) -> type:
         for s in spans:
             if i == s.start and s.carried is not None:
                 x = _with_row(x, s.row, s.carried)
-        with idle_rows([s.row for s in spans if not s.start <= i < s.end]):
+        resting = frozenset(s.row for s in spans if not s.start <= i < s.end)
+        cache = kwargs.get("cache", args[1] if len(args) > 1 else None)
+        if len(idle() | resting) == x.shape[0] and hasattr(cache, "lens"):
+            # no row computes here (a prompt alone crossing other layers): skip the layer. Its cache rows
+            # count the pass's positions as written, as an idle row's garbage would be, for the caller's trim
+            cache.lens = [n + x.shape[1] for n in cache.lens]
+            return x
+        with idle_rows(resting):
             out = cls.__call__(self, x, *args, **kwargs)
         for s in spans:
             if i == s.end - 1:
