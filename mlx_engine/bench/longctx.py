@@ -219,7 +219,8 @@ def main(argv=None) -> int:
     p = ArgumentParser(prog="python -m mlx_engine.bench.longctx", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", help="model (default: the embedded SmolLM2-135M-Instruct with its MTP head)")
     p.add_argument("--lengths", type=int_list(256), default=[2048, 8192, 16384], help="session lengths in tokens")
-    p.add_argument("--modes", default="plain,ngram,suffix,mtp,ngram+mtp", help="decode modes (plain first)")
+    p.add_argument("--modes", default="plain,ngram,suffix,mtp,ngram+mtp",
+                   help="decode modes (plain first); with --agent-server, drafters (none for plain decoding)")
     p.add_argument("--max-tokens", type=count(2), default=64, help="tokens decoded per turn (default 64)")
     p.add_argument("--stall-lengths", type=int_list_or_none, default=[2048, 8192],
                    help="lengths whose prefill is run beside a stream (default 2048,8192; none: no stall runs)")
@@ -231,11 +232,23 @@ def main(argv=None) -> int:
     p.add_argument("--kv-bits", type=int, choices=cache_ops.KV_BITS, default=4)
     p.add_argument("--kv-group-size", type=int, choices=cache_ops.KV_GROUP_SIZES, default=64)
     p.add_argument("--prefix-cache-gb", type=float, default=4.0, help="the shared prefix tree's budget (GiB)")
+    p.add_argument("--agent-server", action="store_true",
+                   help="the agent-server run instead (bench/agent_server.py): short requests arriving while the "
+                        "sessions of --lengths are fed cold and from the prefix tree, per drafter of --modes "
+                        "(default none,mtp,suffix,suffix+mtp; add eagle3 with --eagle3)")
+    p.add_argument("--short-rate", type=float, default=4.0, help="--agent-server: short requests a minute (Poisson)")
+    p.add_argument("--short-max-tokens", type=count(1), default=8, help="--agent-server: tokens each short one asks")
+    p.add_argument("--seed", type=int, default=0, help="--agent-server: the arrivals' seed")
+    p.add_argument("--eagle3", help="--agent-server: an EAGLE-3 checkpoint folder for the eagle3 mode")
+    p.add_argument("--prefill-budget", type=float, default=1.0,
+                   help="--agent-server: serve's --prefill-budget (seconds a chunk may take while none decodes)")
     p.add_argument("--out", help="write the results here as JSON")
     try:
         args = p.parse_args(argv)
     except SystemExit as e:
         return e.code
+    if args.agent_server:
+        return agent_server_main(args, p)
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if not args.modes or args.modes[0] != "plain":
         return fail("--modes must start with plain (the reference of every speedup)")
@@ -260,6 +273,60 @@ def main(argv=None) -> int:
             if args.out:
                 with open(args.out, "w") as f:
                     json.dump(results, f, indent=1)
+    except KeyboardInterrupt:
+        return interrupted()
+    return 0
+
+
+def agent_server_main(args, parser) -> int:
+    from .agent_server import run_mode
+
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()] \
+        if args.modes != parser.get_default("modes") else ["none", "mtp", "suffix", "suffix+mtp"]
+    if args.eagle3 and "eagle3" not in modes:
+        modes.append("eagle3")
+    lengths = args.lengths if args.lengths != parser.get_default("lengths") else [8192]
+    if args.short_rate < 0:
+        return fail("--short-rate must be >= 0")
+    if not 0 < args.prefill_budget <= 60:
+        return fail("--prefill-budget must be in (0, 60] seconds")
+    def opts(mode: str) -> DrafterOptions:
+        return DrafterOptions(eagle3=args.eagle3 if "eagle3" in mode else None)
+    try:
+        if args.out:
+            writable_file(args.out, "--out")
+        loaded = load(args.model)
+        for m in modes:
+            if m != "none":
+                make_drafter(m, loaded, opts(m))
+    except (BenchInputError, ModelLoadError, DrafterError, ValueError) as e:
+        return fail(str(e))
+    tok = loaded.tokenizer
+    window = (loaded.config or {}).get("max_position_embeddings")
+    results = {"model": str(loaded.path), "python_version": python_version(), "mlx": mx.__version__,
+               "short_rate_per_min": args.short_rate, "short_max_tokens": args.short_max_tokens,
+               "max_tokens": args.max_tokens, "seed": args.seed, "prefill_budget_s": args.prefill_budget,
+               "runs": []}
+    try:
+        for length in lengths:
+            if window and length + args.max_tokens > window:
+                print(f"{length}: skipped (the model's context window is {window})", flush=True)
+                continue
+            s = session(lambda msgs: len(encode(tok, msgs)), length)
+            tokens = encode(tok, s["messages"])
+            more = lambda answer: encode(tok, s["messages"] + follow_up(tok.decode(answer)))  # noqa: E731
+            for mode in modes:
+                r = {"length": length, **run_mode(loaded, mode, tokens, more, args, opts(mode))}
+                results["runs"].append(r)
+                c, n = r["cold"], r["next"]
+                print(f"{length:>6} {mode:<11} idle short TTFT {r['idle_short_ttft_s']:.2f}s | cold: TTFT "
+                      f"{c['ttft_s']}s drafting at {c['drafter_ready_s']}s, shorts {c['shorts']} max "
+                      f"{c['short_ttft_max_s']}s ({c['short_ttft_max_over_idle']}x idle) | next: TTFT {n['ttft_s']}s "
+                      f"({r['next_over_cold_ttft']}x cold) drafting at {n['drafter_ready_s']}s, shorts {n['shorts']} "
+                      f"max {n['short_ttft_max_s']}s", flush=True)
+                if args.out:
+                    with open(args.out, "w") as f:
+                        json.dump(results, f, indent=1)
     except KeyboardInterrupt:
         return interrupted()
     return 0

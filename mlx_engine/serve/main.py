@@ -34,6 +34,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=count(0), default=8080, help="port (default 8080; 0 = any free port)")
     p.add_argument("--max-concurrency", type=count(1), default=8,
                    help="requests decoded together in one batch (default 8); more wait in the queue")
+    p.add_argument("--prefill-budget", type=float, default=1.0, metavar="SECONDS",
+                   help="seconds a prompt chunk may take while no request decodes (default 1.0): lower answers a "
+                        "request that arrives during a long prefill sooner, at some cost to that prefill's speed")
     p.add_argument("--max-queue", type=count(1), default=64,
                    help="requests running or waiting before new ones get 503 (default 64)")
     p.add_argument("--max-tokens", type=count(1), default=512,
@@ -83,6 +86,8 @@ def build_service(args):
     from .worker import FairQueueWorker
 
     num_draft = parse_num_draft(args.num_draft)
+    if not 0 < getattr(args, "prefill_budget", 1.0) <= 60:
+        raise UsageError(f"--prefill-budget must be in (0, 60] seconds, got {args.prefill_budget}")
     invariant = getattr(args, "batch_invariant", None)
     if invariant == "fixed" and args.batching != "fair":
         raise UsageError("--batch-invariant fixed pads one sequence per pass: use it with --batching fair, "
@@ -119,7 +124,7 @@ def build_service(args):
 
         try:
             engine = BatchEngine(loaded.model, drafter, num_draft=num_draft, max_batch=args.max_concurrency,
-                                 batch_invariant=invariant, **memory)
+                                 batch_invariant=invariant, idle_budget=args.prefill_budget, **memory)
         except ValueError as e:  # e.g. batch invariance with a quantized KV cache
             raise UsageError(str(e)) from None
         if engine.supported is None:
