@@ -128,4 +128,4 @@ def run_mode(loaded, mode: str, session_tokens: list[int], follow_up_tokens, arg
     return {"mode": mode, "idle_short_ttft_s": round(idle_ttft, 3), "cold": cold, "next": nxt,
             "next_over_cold_ttft": round(nxt["ttft_s"] / cold["ttft_s"], 3),
             "next_over_cold_ready": round(nxt["drafter_ready_s"] / cold["drafter_ready_s"], 3),
-            "drafter_state_in_tree": engine.drafter_kept or "kept", "prefix_tree": tree}
+            "drafter_state_in_tree": None if drafter is None else engine.drafter_kept or "kept", "prefix_tree": tree}

@@ -270,12 +270,17 @@ def main(argv=None) -> int:
                 print(f"{length:>6} | stall: {r['stall']}", flush=True)
             else:
                 print_row(r)
-            if args.out:
-                with open(args.out, "w") as f:
-                    json.dump(results, f, indent=1)
+            save(results, args.out)
     except KeyboardInterrupt:
         return interrupted()
     return 0
+
+
+def save(results: dict, path: str | None) -> None:
+    """The results so far to --out (after each run: an interrupted bench keeps what it measured)."""
+    if path:
+        with open(path, "w") as f:
+            json.dump(results, f, indent=1)
 
 
 def agent_server_main(args, parser) -> int:
@@ -324,9 +329,7 @@ def agent_server_main(args, parser) -> int:
                       f"{c['short_ttft_max_s']}s ({c['short_ttft_max_over_idle']}x idle) | next: TTFT {n['ttft_s']}s "
                       f"({r['next_over_cold_ttft']}x cold) drafting at {n['drafter_ready_s']}s, shorts {n['shorts']} "
                       f"max {n['short_ttft_max_s']}s", flush=True)
-                if args.out:
-                    with open(args.out, "w") as f:
-                        json.dump(results, f, indent=1)
+                save(results, args.out)
     except KeyboardInterrupt:
         return interrupted()
     return 0

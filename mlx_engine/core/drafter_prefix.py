@@ -6,8 +6,10 @@ re-feeds neither the target nor the drafter (an agent's next turn: without it an
 Drafters that keep it say so with `keepable()`, `prefix_states()` (their entries in the tree's position
 frame, and how many positions they cover) and `restore(states, n)` (after `begin`: the first n positions'
 entries, not fed again): the MTP heads (EAGLE-3 included: the same slots), a draft model, a chain of
-either with prompt lookup (whose index is rebuilt from the tokens). Others (DFlash, sliding-window heads)
-are fed the prompt again; `why_not` says so for /health.
+either with prompt lookup (whose index is rebuilt from the tokens), DFlash (its context rows). Prompt lookup
+and suffix drafters feed nothing on the device (their index is rebuilt from the tokens on the host). A
+drafter fed on the device without these (or a sliding-window head) is fed the prompt again; `why_not`
+says so for /health.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ def why_not(drafter) -> str | None:
     if drafter is None:
         return None
     keep = getattr(drafter, "keepable", None)
+    if keep is None and not hasattr(drafter, "prefill_pending"):
+        return None  # nothing is fed on the device (prompt lookup, suffix): rebuilt from the tokens on the host
     if keep is None:
         return f"the {drafter.name} drafter does not keep its state in the prefix tree (fed the prompt again on a hit)"
     if not keep():
