@@ -16,7 +16,7 @@ from __future__ import annotations
 
 
 def why_not(drafter) -> str | None:
-    """None when `drafter`'s state can go to the prefix tree, else why not."""
+    """None when `drafter`'s state can go to the prefix tree (or it has none to keep), else why not."""
     if drafter is None:
         return None
     keep = getattr(drafter, "keepable", None)
@@ -37,8 +37,8 @@ def row_states(engine, s) -> tuple[list, int] | None:
         return engine.batched.row_prefix_states(engine.adopted.index(s))
     p = engine.prefills.joining.get(s.id)
     drafter = p.drafter if p is not None else s.drafter
-    if drafter is None or (p is not None and not p.sampled):
-        return None
+    if drafter is None or (p is not None and not p.sampled) or not hasattr(drafter, "prefix_states"):
+        return None  # (prompt lookup and suffix drafters: nothing on the device to keep)
     return drafter.prefix_states()
 
 
