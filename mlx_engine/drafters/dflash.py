@@ -31,7 +31,6 @@ from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_map
 from mlx_lm.models.cache import KVCache
 from mlx_lm.models.rope_utils import initialize_rope
 
@@ -248,10 +247,14 @@ class DFlashDrafter:
         self.history = list(tokens)
         self._pending = [hidden]
 
+    def _context_rows(self) -> mx.array:
+        """The pending context rows as one array [P, n_ids * H]."""
+        return mx.concatenate(self._pending) if len(self._pending) > 1 else self._pending[0]
+
     def prefill_pending(self, limit: int) -> int:
         """Feed up to `limit` pending context rows (a long prompt's, a piece at a time: the batch engine
         interleaves them with other rows' steps). Returns how many are still pending."""
-        feats = mx.concatenate(self._pending) if len(self._pending) > 1 else self._pending[0]
+        feats = self._context_rows()
         n = min(limit, feats.shape[0])
         if n > 0:
             self.model.feed_context(feats[:n], self.cache, self.cache[0].offset)
@@ -272,18 +275,18 @@ class DFlashDrafter:
 
     def restore(self, states: list, n: int) -> None:
         """After begin(): the first n positions' context rows from the prefix tree, not fed again."""
-        feats = mx.concatenate(self._pending) if len(self._pending) > 1 else self._pending[0]
+        feats = self._context_rows()
         n = min(n, feats.shape[0])
         if n <= 0:
             return
-        prefix_ops.fill(self.cache, [tree_map(lambda a: a[..., :n, :], s) for s in states], n)
+        prefix_ops.fill(self.cache, states, n)
         self._pending = [feats[n:]]
 
     def block_hidden(self) -> mx.array:
         """Feed the pending context rows, run the block: final-normed hidden [block_size, H] (row 0 is the
         last committed token's, rows 1.. are the drafts')."""
         s = self.model.settings
-        feats = mx.concatenate(self._pending) if len(self._pending) > 1 else self._pending[0]
+        feats = self._context_rows()
         self._pending = [feats[:0]]
         start = self.cache[0].offset
         if start + feats.shape[0] != len(self.history) - 1:

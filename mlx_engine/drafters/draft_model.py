@@ -9,7 +9,7 @@ rollback, or the last draft after a full accept); `propose` feeds pending + last
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten, tree_map
+from mlx.utils import tree_flatten
 
 from ..target_model import cache as cache_ops
 from ..target_model import prefix_cache as prefix_ops
@@ -98,7 +98,7 @@ class DraftModelDrafter:
         n = min(n, len(self.pending) - 1)
         if n <= 0:
             return
-        prefix_ops.fill(self.cache, [tree_map(lambda a: a[..., :n, :], s) for s in states], n)
+        prefix_ops.fill(self.cache, states, n)
         self.pending = self.pending[n:]
 
     def propose(self, k: int, sampling: SamplingConfig, key: mx.array) -> Draft:

@@ -116,6 +116,11 @@ class BatchKVCache:
             empty = tree_map(lambda x: x[:1, :, :0], (self.keys, self.values))
             self._reserve(need, *empty)
 
+    def skip(self, t: int) -> None:
+        """Count a pass of t positions per row as written without writing them (a layer no row computes in,
+        target_model/layer_span.py): what they hold is garbage, as an idle row's, trimmed by the caller."""
+        self.lens = [n + t for n in self.lens]
+
     def trim_row(self, i: int, n: int) -> None:
         """Drop the last n entries of row i."""
         if not 0 <= n <= self.lens[i]:

@@ -76,10 +76,8 @@ def _spanning(cls: type) -> type:
                 x = _with_row(x, s.row, s.carried)
         resting = frozenset(s.row for s in spans if not s.start <= i < s.end)
         cache = kwargs.get("cache", args[1] if len(args) > 1 else None)
-        if len(idle() | resting) == x.shape[0] and hasattr(cache, "lens"):
-            # no row computes here (a prompt alone crossing other layers): skip the layer. Its cache rows
-            # count the pass's positions as written, as an idle row's garbage would be, for the caller's trim
-            cache.lens = [n + x.shape[1] for n in cache.lens]
+        if len(idle() | resting) == x.shape[0] and hasattr(cache, "skip"):
+            cache.skip(x.shape[1])  # no row computes here (a prompt alone crossing other layers): skip the layer
             return x
         with idle_rows(resting):
             out = cls.__call__(self, x, *args, **kwargs)

@@ -79,10 +79,12 @@ def shifted(states: list, n: int) -> tuple[list, int]:
     return [tree_map(move, s) for s in states], n + 1
 
 
-def fill(cache: list, states: list, n: int) -> None:
-    """Load n positions of layer states into fresh single-sequence caches (the inverse of layer_states)."""
-    for c, (keys, values) in zip(cache, states):
-        c.keys, c.values, c.offset = keys, values, n
+def fill(cache: list, states: list, n: int, start: int = 0) -> None:
+    """Load positions start..start + n of layer states into fresh single-sequence caches (the inverse of
+    layer_states; start 1 undoes `shifted`)."""
+    for c, state in zip(cache, states):
+        c.keys, c.values = tree_map(lambda a: a[..., start : start + n, :], state)
+        c.offset = n
 
 
 class _Node:

@@ -22,6 +22,7 @@ import mlx.core as mx
 from ... import host
 from ...sampling import SamplingConfig, choose
 from ...target_model.batch_cache import BatchKVCache, append_sequence
+from ...target_model.prefix_cache import shifted
 from ..base import Draft, Verdict
 from .drafter import MTPDrafter
 
@@ -74,8 +75,6 @@ class BatchedMTP:
     def row_prefix_states(self, i: int) -> tuple[list, int]:
         """Row i's head entries in the prefix tree's frame (MTPDrafter.prefix_states): its fed slots (its
         pending ones are not in the cache yet). Between steps (no chained draft-time entries)."""
-        from ...target_model.prefix_cache import shifted
-
         n = self.cache[0].lens[i] if self.cache else 0
         return shifted([bc.row(i) for bc in self.cache], n) if n else ([], 0)
 

@@ -23,8 +23,6 @@ import mlx.nn as nn
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache
 
-from mlx.utils import tree_map
-
 from ...target_model import cache as cache_ops
 from ...target_model import prefix_cache as prefix_ops
 from ... import host
@@ -142,12 +140,16 @@ class MTPDrafter:
             return self._subset(h)
         return self.target.lm_head(h)
 
+    def _pending_hidden(self) -> mx.array:
+        """The pending slots' target hidden rows as one array [P, H]."""
+        return mx.concatenate(self._pend_h) if len(self._pend_h) > 1 else self._pend_h[0]
+
     def _feed_pending(self, limit: int | None = None) -> None:
         """Feed the first `limit` pending slots (all: None) through every layer (exact entries), in chunks
         of prefill_step."""
         if not self._pend_tok:
             return
-        h_all = mx.concatenate(self._pend_h) if len(self._pend_h) > 1 else self._pend_h[0]
+        h_all = self._pending_hidden()
         n = len(self._pend_tok) if limit is None else min(limit, len(self._pend_tok))
         toks = self._pend_tok[:n]
         out = None
@@ -196,8 +198,8 @@ class MTPDrafter:
         slots = min(n - 1, len(self._pend_tok))
         if slots <= 0:
             return
-        prefix_ops.fill(self.cache, [tree_map(lambda a: a[..., 1 : slots + 1, :], s) for s in states], slots)
-        h_all = mx.concatenate(self._pend_h) if len(self._pend_h) > 1 else self._pend_h[0]
+        prefix_ops.fill(self.cache, states, slots, start=1)
+        h_all = self._pending_hidden()
         self._pend_h, self._pend_tok = [h_all[slots:]], self._pend_tok[slots:]
 
     # -- the protocol ------------------------------------------------------------------------------
