@@ -106,6 +106,9 @@ def drain(engine, out):
 def test_a_short_request_is_not_starved_by_a_long_prompt_in_either_stage(built, kind):
     model, drafter, vocab = built(kind)
     long, short = prompts(vocab)
+    # long enough that its drafter stage outlasts the steps counted below (chunks of 64, 128, ... positions):
+    # a long row that drafted and decoded would give the newcomer chunks sized by this machine's step times
+    long = long * 4
     engine = engine_for(model, drafter)
     out = {}
     engine.add("long", long, 12)

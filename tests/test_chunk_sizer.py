@@ -59,3 +59,12 @@ def test_each_sequence_attends_over_its_own_keys_and_idle_rows_are_zeros():
     with idle_rows([0]):
         out = per_sequence(sdpa, q, k, v, cache, 0.5)
     assert not mx.any(out[0]).item() and mx.any(out[1]).item()
+
+
+def test_a_chunk_cut_short_by_its_prompt_s_end_does_not_shrink_the_next():
+    """The last chunk of a prompt is its remainder (2 tokens here, sized 16): the next prompt's chunk grows
+    from the 16 it was given, not from the 2 the prompt had left."""
+    s = ChunkSizer(first=16, largest=64)
+    assert s.size(1.0) == 16
+    s.observe(2, 0.002, True)  # the prompt's last 2 tokens, at 1 ms a token
+    assert s.size(1.0) == 32  # doubling from 16 (from 2 it was 4)

@@ -37,6 +37,7 @@ class ChunkSizer:
         self.fits = float(self.n)  # tokens of a whole pass that fit the budget, as measured (may be < 1)
         self.room = 0.0  # seconds the last sized chunk had (margin x budget - base)
         self.timed_room = 0.0  # that of the last timed chunk
+        self.timed_n = self.n  # the size that chunk was given (its prompt's end may have cut it shorter)
 
     def size(self, budget: float | None, base: float = 0.0, depth: int | None = None) -> int:
         """Tokens for the next chunk; budget None: no one is waiting, take the largest. base: seconds of the
@@ -52,7 +53,11 @@ class ChunkSizer:
                 per_token *= (depth + self.reach) / (self.depth + self.reach)
             room = self.margin * budget - base
             grow = 2.0 * max(1.0, room / self.timed_room) if self.timed_room > 0 else 2.0
-            self.fits = min(room / per_token, grow * n) if per_token > 0 else grow * n  # at most doubling
+            # at most doubling, from the size the last chunk was given: one cut short by its prompt's end is
+            # no evidence that a larger one does not fit (a 2-token tail made a short prompt after it go 4,
+            # then 8 tokens); a share of one token's layers (n < 1) grows from itself
+            ref = n if n < 1 else max(n, self.timed_n)
+            self.fits = min(room / per_token, grow * ref) if per_token > 0 else grow * ref
             self.n = max(1, min(int(self.fits), self.largest))  # (fits holds the doubling bound)
             self.room = room
         return self.n
@@ -80,4 +85,4 @@ class ChunkSizer:
         """A chunk's measured time (only chunks sized to a budget steer the next size); depth: prompt
         positions before it."""
         if budgeted and tokens > 0:
-            self.last, self.depth, self.timed_room = (tokens, seconds), depth, self.room
+            self.last, self.depth, self.timed_room, self.timed_n = (tokens, seconds), depth, self.room, self.n
