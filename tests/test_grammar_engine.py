@@ -114,6 +114,27 @@ def test_constrained_greedy_equals_plain_constrained(kind, tmp_path):
     assert_valid(out)
 
 
+@pytest.mark.parametrize("kind", ["none", "mtp", "suffix"])
+def test_no_plain_step_spends_a_pass_on_a_forced_token(kind, tmp_path):
+    """A plain stretch under a grammar ends on the token that opens a forced run (no step already in flight
+    for the run's first token alone): every token a plain step emits, the first apart, comes where the
+    grammar forces nothing, so each forced run is drafted whole by a grammar cycle."""
+    model, drafter = make(kind, tmp_path)
+    grammar = gu.schema_grammar()
+    engine = Engine(model, drafter)
+    out, steps = generate(engine, grammar, "auto")
+    assert out == gu.reference(model, gu.PROMPT, grammar, N)
+    matcher = grammar.matcher(False)
+    opened = 0  # plain tokens after which the grammar forced a run: the case this test is about
+    matcher.consume([t for t in steps[0].tokens if t != gu.eos()])
+    for step in steps[1:]:
+        if not step.draft:
+            assert matcher.forced() == [], f"a plain step emitted a forced token at {gu.decode(matcher.tokens)!r}"
+        matcher.consume([t for t in step.tokens if t != gu.eos()])
+        opened += not step.draft and bool(matcher.forced())
+    assert opened > 0, "no plain token opened a forced run: the test proves nothing"
+
+
 def test_drafts_leaving_the_grammar_are_cut_before_the_verify_pass():
     """The target as its own unconstrained draft proposes tokens the grammar forbids: they are cut (never
     verified, never emitted), and the output is the plain constrained one."""

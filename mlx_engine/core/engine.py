@@ -443,7 +443,10 @@ class Engine:
         is read. One host read per token; the drafter (if any) is kept in step with k = 0 commits.
         Under a grammar, step i+1's pass still starts before token i is read, its sampling after (its mask
         needs token i): the host builds the mask while the device runs the pass.
-        `until()` true after a token: stop after the next one (already in flight), the stretch cut short."""
+        `until()` true after a token: stop after the next one (already in flight), the stretch cut short.
+        Under a grammar that drafts its forced runs (`serial`), step i+1 starts after token i is read: a
+        token that opens a forced run ends the stretch at once, and the run is drafted whole by the next
+        cycle instead of its first token costing a pass of its own (in JSON, one pass a key)."""
         sampling, stats, drafter, matcher = cfg.sampling, self.stats, self._drafting, self._matcher
         width = sampling.repetition_context
         no_draft = _no_draft()
@@ -453,6 +456,13 @@ class Engine:
             logits, hidden = self.target.forward(inputs, self.cache, want_hidden)
             window = mx.concatenate([window, inputs[-1:]])[-width:]  # history up to the newest input
             return logits[-1:], window, hidden
+
+        def advance(current: mx.array, window: mx.array, counts: mx.array | None):
+            """forward() over the token just chosen, and the generated tokens' counts with it."""
+            logits, window, hidden = forward(current, window)
+            if counts is not None:  # the history up to the newest input
+                counts = counts + (mx.arange(logits.shape[-1]) == current).astype(mx.float32)
+            return logits, window, hidden, counts
 
         def choose(logits: mx.array, window: mx.array, counts: mx.array | None):
             """The next token [1] and its logprob row (None when not asked for), both started; under a grammar,
@@ -473,13 +483,14 @@ class Engine:
         counts = token_counts(self._generated, vocab) if sampling.counted else None  # (`_last` counted)
         token, rows = choose(logits, window, counts)
         self.held.fed(first, hidden)
+        # under a grammar that drafts, a token may open a forced run, which the next cycle drafts whole: the
+        # next step is built after the token is read, so no step is spent on the run's first token alone
+        serial = until is not None and isinstance(drafter, GrammarDrafter)
         for i in range(n_tokens):
             t_cycle = time.perf_counter()
             current, current_rows, current_hidden = token, rows, hidden
-            if i + 1 < n_tokens:
-                logits, window, hidden = forward(current, window)
-                if counts is not None:  # the history up to the newest input
-                    counts = counts + (mx.arange(vocab) == current).astype(mx.float32)
+            if i + 1 < n_tokens and not serial:
+                logits, window, hidden, counts = advance(current, window, counts)
                 if matcher is None:
                     token, rows = choose(logits, window, counts)
                 else:
@@ -492,12 +503,17 @@ class Engine:
             t_back = time.perf_counter()
             if matcher is not None:
                 matcher.consume([tok])
-                if i + 1 < n_tokens:
+                if i + 1 < n_tokens and not serial:
                     token, rows = choose(logits, window, counts)
             if drafter is not None:
                 drafter.commit(Verdict(0, 0, [tok]), current_hidden[-1:] if want_hidden else None)
-                if until is not None and i + 1 < n_tokens - 1 and until():
+                if serial and i + 1 < n_tokens and until():
+                    n_tokens = i + 1  # nothing in flight: the stretch ends with this token
+                elif not serial and until is not None and i + 1 < n_tokens - 1 and until():
                     n_tokens = i + 2  # token i + 1 is in flight: it ends the stretch
+            if serial and i + 1 < n_tokens:
+                logits, window, hidden, counts = advance(current, window, counts)
+                token, rows = choose(logits, window, counts)
             if i + 1 < n_tokens:  # the step built above has fed `tok`
                 self.held.fed([tok], hidden)
             self._last = tok
