@@ -52,6 +52,50 @@ def run(engine, requests, joins=None):
     return got, done
 
 
+def test_rows_join_into_the_spare_rows_the_last_rows_left():
+    """The last rows leave by shortening the row count (their arrays kept as spare rows) and the next rows
+    join into them in place, no new arrays made; each row then holds exactly its own entries, the stale
+    ones of a spare row never seen; a leave from the middle, or one leaving more than MAX_SPARE rows,
+    copies into arrays of the rows kept."""
+    from mlx_engine.target_model.batch_cache import MAX_SPARE
+
+    mx.random.seed(1)
+    entries = lambda n: (mx.random.normal((1, 2, n, 4)), mx.random.normal((1, 2, n, 4)))  # noqa: E731
+    batch, singles = BatchKVCache(), []
+    for n in (5, 9, 7):
+        k, v = entries(n)
+        batch.add_row(k, v)
+        singles.append(KVCache())
+        singles[-1].update_and_fetch(k, v)
+    batch.keep_rows([0])
+    arrays = (batch.keys, batch.values)
+    assert batch.lens == [5] and batch.allocated == 3
+    for n in (0, 4):  # an empty row (a prompt to be fed) and a prefix-cache hit
+        k, v = entries(n)
+        batch.add_row(k, v)
+        c = KVCache()
+        if n:
+            c.update_and_fetch(k, v)
+        singles[len(batch.lens) - 1] = c
+    assert (batch.keys, batch.values) == arrays and batch.allocated == 3  # joined in place
+    new_k, new_v = mx.random.normal((3, 2, 2, 4)), mx.random.normal((3, 2, 2, 4))
+    mask = batch.make_mask(2)
+    keys, _ = batch.update_and_fetch(new_k, new_v)
+    assert keys.shape[0] == 3
+    for i, c in enumerate(singles):
+        c.update_and_fetch(new_k[i : i + 1], new_v[i : i + 1])
+        k, v = batch.row(i)
+        assert mx.array_equal(k, c.keys[:, :, : c.offset]) and mx.array_equal(v, c.values[:, :, : c.offset])
+        assert mask[i, 0].tolist() == [[p <= c.offset - 2 + q for p in range(mask.shape[-1])] for q in range(2)]
+    batch.keep_rows([0, 2])  # the middle row leaves: a copy
+    assert batch.allocated == 2 and batch.lens == [7, 6]
+    assert mx.array_equal(batch.row(1)[0], singles[2].keys[:, :, : singles[2].offset])
+    for _ in range(MAX_SPARE + 1):
+        batch.add_row(*entries(1))
+    batch.keep_rows([0])  # MAX_SPARE + 2 rows left: their memory given back
+    assert batch.allocated == 1 and batch.lens == [7]
+
+
 @pytest.mark.cpu_exact
 @pytest.mark.parametrize("num_draft", [0, 1, 3, "auto"])
 def test_concurrent_greedy_each_equals_alone(llama, num_draft):
