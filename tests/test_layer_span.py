@@ -176,3 +176,30 @@ def test_a_measurement_at_one_depth_sizes_a_chunk_at_another():
     assert s.size(0.15, 0.07, depth=0) == 2  # (0.1275 - 0.07) / 0.02 = 2.9, at most doubling
     s.size(0.15, 0.07, depth=7000)  # a row that starts 7,000 positions deep: 8x the cost a token
     assert s.fits == pytest.approx(0.0575 / (0.02 * 8)) and s.layers(1, 30, 30) == 10  # 10.8 layers: 3 steps of 10
+
+
+@pytest.mark.parametrize("share", [0.3, 0.6])
+def test_a_crossing_prompt_hands_an_eagle3_head_the_features_of_one_pass(tmp_path_factory, share):
+    """EAGLE-3 reads inner layers' outputs: a prompt crossing the layers over several steps keeps each
+    requested layer's output in the pass that crosses it, and the features its head is begun on equal
+    those of one pass over the prompt (a layer taken from the wrong pass would not); tokens unchanged."""
+    from eagle3_writer import write_eagle3
+    from mlx_engine.drafters.eagle3 import load_eagle3_drafter
+
+    model, cfg = tiny_models.build("llama", seed=0, num_hidden_layers=6)
+    folder = tmp_path_factory.mktemp("eagle3-span")
+    write_eagle3(folder, cfg, aux_ids=[1, 3, 5])
+    drafter = load_eagle3_drafter(folder, model)
+    begun = []
+    cls = type(drafter)
+    spy = type("Spy", (cls,), {"begin": lambda self, tokens, hidden: (begun.append((list(tokens), hidden)),
+                                                                        cls.begin(self, tokens, hidden))[1]})
+    drafter.__class__ = spy
+    out, _, reached = crossing_run(model, drafter, PROMPT, share=share)
+    assert max(reached) > 0, "the prompt never crossed in steps: the test proves nothing"
+    assert_greedy_equal(model, PROMPT, out["long"], alone(model, PROMPT, 12))
+    tokens, hidden = next((t, h) for t, h in begun if t[: len(PROMPT)] == PROMPT)
+    target = Target(model)
+    _, ref = target.forward(mx.array(PROMPT), target.make_cache(), drafter.hidden_request)
+    assert hidden.shape == ref.shape
+    assert np.allclose(np.array(hidden), np.array(ref), atol=1e-4)

@@ -89,11 +89,11 @@ class BatchEngine(BatchRows):
         self.target.check_cache()
         self.drafter = drafter  # the prototype: every sequence drafts with its own copy
         self.want_hidden = hidden_request(drafter)
-        # a prompt token may cross the layers over several steps (layer_span) unless a drafter reads
-        # inner layers' states (those would come from different passes) or the attention takes layer 0's
-        # mask (MLA's additive one: a crossing row's layers hold different lengths)
+        # a prompt token may cross the layers over several steps (layer_span; the inner layers' states a
+        # drafter reads kept as it crosses them) unless the attention takes layer 0's mask (MLA's additive
+        # one: a crossing row's layers hold different lengths)
         self.layer_count = len(self.target.layers)
-        self.split_layers = self.layer_count > 1 and (self.want_hidden is None or not self.want_hidden.layers) \
+        self.split_layers = self.layer_count > 1 \
             and getattr(getattr(self.target.text, "args", None), "kv_lora_rank", None) is None
         if self.split_layers:
             layer_span.install(self.target.layers)
@@ -334,6 +334,7 @@ class BatchEngine(BatchRows):
                                    masks.get(i), drafts[i].cut_probs if i in drafts else None, counts))
             with_logprobs(i, logits[i, : ki + 1], outs[-1])
         carried = [sp.captured for sp in spans.values() if sp.end < self.layer_count]
+        carried += [h for sp in spans.values() for h in (sp.kept or {}).values()]
         if carried:
             host.start(*carried)  # (evaluated with the read below)
         flat = []
@@ -378,7 +379,7 @@ class BatchEngine(BatchRows):
                 if not self.prefills.crossed(f, span, self.layer_count):
                     continue
                 if h is not None:
-                    f.hidden.append(h[: fed[i]])
+                    f.hidden.append(self.prefills.crossed_hidden(f, h[: fed[i]], self.layer_count))
                 f.done += fed[i]
                 if i in firsts:
                     first = values[start + 1]

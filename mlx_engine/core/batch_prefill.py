@@ -62,6 +62,7 @@ class Prefilling:
     paused: int = 0  # steps that chunk has waited while rows decode (PAUSE_STEPS at most)
     carried: object | None = None  # that chunk's hidden state at the input of `layer` [n, H]
     inflight: int = 0  # that chunk's tokens
+    kept: dict = field(default_factory=dict)  # that chunk's outputs of the inner layers its drafter reads
     drafter_sizer: ChunkSizer = field(default_factory=lambda: ChunkSizer(first=64, largest=2048))
     started: float = field(default_factory=time.perf_counter)
 
@@ -175,21 +176,36 @@ class PrefillQueue:
         layers that fits the budget while rows decode. While none does, a chunk sized for idle_budget
         crosses in steps of about IDLE_STEP each (the layers it does not cross are skipped: a request
         arriving meanwhile waits for one such step, not for the whole chunk)."""
+        keep = tuple(sorted({i % layers for i in self.want_hidden.layers})) if self.want_hidden is not None else ()
         if p.layer > 0:
             left = layers - p.layer
             if p.share:  # a chunk fed alone in shares: beside decoding rows (paused long enough) it finishes
                 step = left if budgeted else min(left, p.share)
             else:
                 step = self.sizer.layers(p.inflight, left, layers) if budgeted else left
-            return Span(row, p.layer, p.layer + step, p.inflight, p.carried)
+            return Span(row, p.layer, p.layer + step, p.inflight, p.carried, keep=keep, kept=p.kept)
+        p.kept = {}
         if budgeted and fed == 1 and self.sizer.fits < 1:
             m = self.sizer.layers(1, layers, layers)
-            return Span(row, 0, m, 1) if m < layers else None
+            return Span(row, 0, m, 1, keep=keep, kept=p.kept) if m < layers else None
         seconds = self.sizer.predict(fed, p.done) if not budgeted else None
         if seconds is not None and seconds > 1.5 * IDLE_STEP:
             p.share = math.ceil(layers / math.ceil(seconds / IDLE_STEP))
-            return Span(row, 0, p.share, fed) if p.share < layers else None
+            return Span(row, 0, p.share, fed, keep=keep, kept=p.kept) if p.share < layers else None
         return None
+
+    def crossed_hidden(self, p: Prefilling, hidden: mx.array, layers: int) -> mx.array:
+        """The hidden rows [n, H'] a drafter reads of p's chunk after the pass that ends its crossing:
+        the inner layers' outputs as kept in the passes that crossed them, the final state (if asked for)
+        from this one, whose other columns are the rows' resting garbage. A chunk in one pass: `hidden`."""
+        if not p.kept:
+            return hidden
+        request = self.want_hidden
+        width = hidden.shape[-1] // (len(request.layers) + int(request.final))
+        parts = [p.kept[i % layers] for i in request.layers]
+        parts += [hidden[:, len(request.layers) * width :]] if request.final else []
+        p.kept = {}
+        return mx.concatenate(parts, axis=-1)
 
     def paused_beside(self, p: Prefilling) -> bool:
         """Whether p's chunk, crossing in shares, waits this step (rows decode; PAUSE_STEPS at most)."""

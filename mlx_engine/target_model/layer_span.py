@@ -10,7 +10,9 @@ decoding beside it. Split by layers instead: in a pass with a span (row r, layer
   * layer end - 1's output of row r (its first n positions) is captured for the next step,
   * in every other layer row r is idle: its attention is skipped (batch_sequences.idle_rows), and the
     entries it writes there are garbage the caller trims (a BatchKVCache keeps lengths per layer, so the
-    row may hold n more positions in layers < end than in layers >= end between steps).
+    row may hold n more positions in layers < end than in layers >= end between steps),
+  * the outputs of the layers in `keep` (inner layers a drafter reads: EAGLE-3, DFlash) are written to
+    `kept` in the pass that crosses them: the caller joins them once the last layer is crossed.
 
 What row r computes inside [start, end) is what it would in a pass over all layers: the same input, the
 same keys. Its matmul rows still run in every layer (one more row of a batched pass, not a pass of its
@@ -42,6 +44,8 @@ class Span:
     tokens: int  # real positions of the row (the rest of the pass's width is padding)
     carried: mx.array | None = None  # [tokens, H]: the row's input of layer `start` (None when start == 0)
     captured: mx.array | None = None  # [tokens, H]: its output of layer end - 1, after the pass
+    keep: tuple[int, ...] = ()  # layers whose output of the row a drafter reads (EAGLE-3, DFlash features)
+    kept: dict | None = None  # layer -> [tokens, H]: those outputs, written as the row crosses each layer
 
 
 _spans: contextvars.ContextVar[tuple] = contextvars.ContextVar("mlx_engine_layer_spans", default=())
@@ -81,10 +85,12 @@ def _spanning(cls: type) -> type:
             return x
         with idle_rows(resting):
             out = cls.__call__(self, x, *args, **kwargs)
+        h = out[0] if isinstance(out, tuple) else out
         for s in spans:
             if i == s.end - 1:
-                h = out[0] if isinstance(out, tuple) else out
                 s.captured = h[s.row, : s.tokens]
+            if i in s.keep and s.start <= i < s.end:  # a pass over all layers captures it whole (model.py)
+                s.kept[i] = h[s.row, : s.tokens]
         return out
 
     return type(cls.__name__, (cls,), {"__call__": __call__, "_mlx_engine_layer_span": True})
