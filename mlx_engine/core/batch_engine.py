@@ -379,7 +379,7 @@ class BatchEngine(BatchRows):
                 if not self.prefills.crossed(f, span, self.layer_count):
                     continue
                 if h is not None:
-                    f.hidden.append(self.prefills.crossed_hidden(f, h[: fed[i]], self.layer_count))
+                    f.hidden.append(self.prefills.crossed_hidden(f, h[: fed[i]]))
                 f.done += fed[i]
                 if i in firsts:
                     first = values[start + 1]

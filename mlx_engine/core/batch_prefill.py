@@ -99,6 +99,10 @@ class PrefillQueue:
         self.queued: list[Prefilling] = []  # stage 0
         self.joining: dict[object, Prefilling] = {}  # stages 1 and 2, by sequence id (their rows are in the batch)
         self.sizer = ChunkSizer(first=8, largest=prefill_step)
+        # the layers whose outputs a chunk crossing in steps keeps for its drafter (as Target reads them:
+        # negative indices from the end), in the order of its hidden request
+        n = len(target.layers)
+        self.keep = tuple(i % n for i in want_hidden.layers) if want_hidden is not None else ()
 
     def __len__(self) -> int:
         """Sequences that have not joined yet (queued, or a row still feeding its prompt)."""
@@ -176,34 +180,32 @@ class PrefillQueue:
         layers that fits the budget while rows decode. While none does, a chunk sized for idle_budget
         crosses in steps of about IDLE_STEP each (the layers it does not cross are skipped: a request
         arriving meanwhile waits for one such step, not for the whole chunk)."""
-        keep = tuple(sorted({i % layers for i in self.want_hidden.layers})) if self.want_hidden is not None else ()
         if p.layer > 0:
             left = layers - p.layer
             if p.share:  # a chunk fed alone in shares: beside decoding rows (paused long enough) it finishes
                 step = left if budgeted else min(left, p.share)
             else:
                 step = self.sizer.layers(p.inflight, left, layers) if budgeted else left
-            return Span(row, p.layer, p.layer + step, p.inflight, p.carried, keep=keep, kept=p.kept)
+            return Span(row, p.layer, p.layer + step, p.inflight, p.carried, keep=self.keep, kept=p.kept)
         p.kept = {}
         if budgeted and fed == 1 and self.sizer.fits < 1:
             m = self.sizer.layers(1, layers, layers)
-            return Span(row, 0, m, 1, keep=keep, kept=p.kept) if m < layers else None
+            return Span(row, 0, m, 1, keep=self.keep, kept=p.kept) if m < layers else None
         seconds = self.sizer.predict(fed, p.done) if not budgeted else None
         if seconds is not None and seconds > 1.5 * IDLE_STEP:
             p.share = math.ceil(layers / math.ceil(seconds / IDLE_STEP))
-            return Span(row, 0, p.share, fed, keep=keep, kept=p.kept) if p.share < layers else None
+            return Span(row, 0, p.share, fed, keep=self.keep, kept=p.kept) if p.share < layers else None
         return None
 
-    def crossed_hidden(self, p: Prefilling, hidden: mx.array, layers: int) -> mx.array:
+    def crossed_hidden(self, p: Prefilling, hidden: mx.array) -> mx.array:
         """The hidden rows [n, H'] a drafter reads of p's chunk after the pass that ends its crossing:
         the inner layers' outputs as kept in the passes that crossed them, the final state (if asked for)
         from this one, whose other columns are the rows' resting garbage. A chunk in one pass: `hidden`."""
         if not p.kept:
             return hidden
-        request = self.want_hidden
-        width = hidden.shape[-1] // (len(request.layers) + int(request.final))
-        parts = [p.kept[i % layers] for i in request.layers]
-        parts += [hidden[:, len(request.layers) * width :]] if request.final else []
+        width = hidden.shape[-1] // (len(self.keep) + int(self.want_hidden.final))
+        parts = [p.kept[i] for i in self.keep]
+        parts += [hidden[:, len(self.keep) * width :]] if self.want_hidden.final else []
         p.kept = {}
         return mx.concatenate(parts, axis=-1)
 
