@@ -25,6 +25,7 @@ class Result:
     forced: int = 0  # tokens the grammar drafted and the target accepted (structured suites)
     grammar_seconds: float = 0.0  # host time of the grammar's masks, cuts and forced runs
     valid: bool | None = None  # the answer is valid for its schema or tools (structured suites)
+    finished: bool | None = None  # the answer ended on a stop token, not at --max-tokens (structured suites)
 
 
 def run_mlx_lm(model, prompt: list[int], max_tokens: int, temp: float, seed: int, draft_model=None, k: int = 0,

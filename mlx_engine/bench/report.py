@@ -93,7 +93,7 @@ def print_structured_table(rows: list[dict]) -> None:
 
     table = Table(title="structured output (median over trials)")
     for col in ("mode", "temp", "tok/s", "vs plain constrained", "vs unconstrained", "accept", "E", "forced share",
-                "grammar us/token", "valid"):
+                "grammar us/token", "valid", "finished", "valid of finished"):
         table.add_column(col, justify="left" if col == "mode" else "right")
 
     def f(v, fmt):
@@ -102,7 +102,8 @@ def print_structured_table(rows: list[dict]) -> None:
     for r in rows:
         table.add_row(r["mode"], f"{r['temp']:g}", f"{r['tok_s']:.2f}", f(r.get("speedup_vs_plain_constrained"), ".2f"),
                       f(r.get("speedup_vs_unconstrained"), ".2f"), f(r["acceptance"], ".2f"), f"{r['E']:.2f}",
-                      f(r["forced_share"], ".2f"), f(r["grammar_us_per_token"], ".0f"), f(r["valid"], ".2f"))
+                      f(r["forced_share"], ".2f"), f(r["grammar_us_per_token"], ".0f"), f(r["valid"], ".2f"),
+                      f(r.get("finished"), ".2f"), f(r.get("valid_finished"), ".2f"))
     Console(width=170).print(table)
 
 

@@ -15,7 +15,8 @@ also shown in a system message, as an instruction), the tools suite a forced too
 usual figures: `forced_share` (emitted tokens the grammar drafted and the target accepted),
 `grammar_us_per_token` (host time of masks, cuts and forced runs per emitted token), `valid` (answers
 that parse and match their schema, or are a well-formed call of an offered tool; answers cut at
---max-tokens count as invalid).
+--max-tokens count as invalid), `finished` (answers that ended before --max-tokens) and `valid_finished`
+(valid among the finished: a grammar's own failures, apart from answers cut short).
 """
 
 from __future__ import annotations
@@ -126,7 +127,7 @@ def run_constrained_engine(engine: Engine, p: StructuredPrompt, max_tokens: int,
     s = engine.stats
     return Result(s.generated - 1, s.decode_time, s.cycles, s.drafted, s.accepted, list(s.drafted_at),
                   list(s.accepted_at), s.peak_memory, wall, forced=s.forced_accepted, grammar_seconds=s.grammar_seconds,
-                  valid=_valid(p, tokens, tokenizer, stop))
+                  valid=_valid(p, tokens, tokenizer, stop), finished=bool(tokens) and tokens[-1] in stop)
 
 
 def run_mlx_lm_constrained(model, p: StructuredPrompt, max_tokens: int, temp: float, seed: int, stop: frozenset,
@@ -170,7 +171,8 @@ def run_mlx_lm_constrained(model, p: StructuredPrompt, max_tokens: int, temp: fl
     end = time.perf_counter()
     n = len(tokens) - 1
     return Result(n, end - t0, cycles=max(n, 1), peak_memory=mx.get_peak_memory(), wall=end - start,
-                  grammar_seconds=spent[0], valid=_valid(p, tokens, tokenizer, stop))
+                  grammar_seconds=spent[0], valid=_valid(p, tokens, tokenizer, stop),
+                  finished=bool(tokens) and tokens[-1] in stop)
 
 
 def build_structured_modes(args, model, drafters: dict, stop: frozenset, tokenizer) -> list[Mode]:

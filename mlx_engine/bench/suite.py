@@ -188,6 +188,10 @@ def summarise(results: list[Result]) -> dict:
         if any(r.valid is not None for r in results) else None,
         "valid": sum(bool(r.valid) for r in results) / len(results) if any(r.valid is not None for r in results)
         else None,
+        "finished": sum(bool(r.finished) for r in results) / len(results)
+        if any(r.finished is not None for r in results) else None,
+        "valid_finished": sum(bool(r.valid) for r in results if r.finished) / n_fin
+        if (n_fin := sum(bool(r.finished) for r in results)) else None,
     }
 
 
