@@ -79,6 +79,18 @@ def test_agent_server_clients_arrive_poisson_wait_past_a_full_batch_and_count_fr
     assert again.waiting == clients.waiting | {"short1": arrived}  # seeded: the same arrivals
 
 
+def test_agent_server_traces_the_slowest_short_requests_through_the_steps_they_waited():
+    from mlx_engine.bench.agent_server import _slowest
+
+    steps = [(0.0, 0.5, 1, {"cold": 512}), (0.5, 0.6, 2, {"s1": 31}), (0.6, 0.7, 2, {}), (0.7, 1.2, 2, {"cold": 512})]
+    spans = [(0.4, 0.6), (0.65, 0.7)]  # s1 arrived 0.1 s before the long chunk's step ended, s2 within a decode
+    [slow, fast] = _slowest(spans, steps, n=2)
+    assert slow["ttft_s"] == pytest.approx(0.2) and slow["in_flight_left_s"] == pytest.approx(0.1)
+    assert [st["fed"] for st in slow["steps"]] == [{"cold": 512}, {"s1": 31}]
+    assert fast["ttft_s"] == pytest.approx(0.05) and [st["rows"] for st in fast["steps"]] == [2]
+    assert len(_slowest(spans, steps, n=1)) == 1
+
+
 def test_serve_refuses_a_bad_prefill_budget_before_loading(capsys):
     from mlx_engine.__main__ import main
 

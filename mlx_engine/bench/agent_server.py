@@ -39,10 +39,11 @@ class _Clients:
         self.waiting: dict[str, float] = {}  # id -> arrival time, until its first token
         self.backlog: list[tuple[str, int]] = []  # arrived while the batch was full
         self.ttfts: list[float] = []
+        self.spans: list[tuple[float, float]] = []  # each short request's (arrival, first token), as ttfts
 
     def start(self, now: float) -> None:
         self.next_at = now + self.rng.expovariate(self.rate) if self.rate > 0 else None
-        self.ttfts = []
+        self.ttfts, self.spans = [], []
 
     def arrive(self, now: float) -> None:
         """The requests that arrived by `now` join (past a full batch they wait, as in serve's queue)."""
@@ -57,7 +58,21 @@ class _Clients:
 
     def seen(self, seq_id, tokens: list[int], now: float) -> None:
         if seq_id in self.waiting and tokens:
-            self.ttfts.append(now - self.waiting.pop(seq_id))
+            arrived = self.waiting.pop(seq_id)
+            self.ttfts.append(now - arrived)
+            self.spans.append((arrived, now))
+
+
+def _slowest(spans, steps, n: int = 3) -> list[dict]:
+    """Where the slowest short requests' waits went: the step in flight when each arrived (what was left
+    of it) and every step until its first token, each with its rows and the tokens of prompts fed in it."""
+    out = []
+    for arrived, first in sorted(spans, key=lambda s: s[0] - s[1])[:n]:
+        mine = [st for st in steps if st[1] > arrived and st[0] < first]
+        out.append({"ttft_s": round(first - arrived, 3),
+                    "in_flight_left_s": round(mine[0][1] - arrived, 3) if mine and mine[0][0] < arrived else 0.0,
+                    "steps": [{"s": round(b - a, 3), "rows": rows, "fed": fed} for a, b, rows, fed in mine]})
+    return out
 
 
 def _turn(engine, clients, sid: str, prompt: list[int], max_tokens: int) -> dict:
@@ -67,9 +82,20 @@ def _turn(engine, clients, sid: str, prompt: list[int], max_tokens: int) -> dict
     clients.start(t0)
     first = ready = None
     answer = []
+    steps = []  # (start, end, rows, {id: prompt tokens fed in the step}): where a slow short request waited
+
+    def step():
+        a = time.perf_counter()
+        before = {p["id"]: p["done"] for p in engine.prefilling()}
+        outs = engine.step()
+        after = {p["id"]: p["done"] for p in engine.prefilling()}
+        fed = {i: after.get(i, before[i]) - before[i] for i in before if after.get(i, before[i]) != before[i]}
+        steps.append((a, time.perf_counter(), len(engine.seqs), fed))
+        return outs
+
     while True:
         clients.arrive(time.perf_counter())
-        outs = engine.step()
+        outs = step()
         now = time.perf_counter()
         for o in outs:
             clients.seen(o.seq_id, o.tokens, now)
@@ -86,7 +112,7 @@ def _turn(engine, clients, sid: str, prompt: list[int], max_tokens: int) -> dict
     clients.next_at = None
     while clients.waiting:  # the short requests still in flight get their first token
         clients.arrive(time.perf_counter())
-        outs = engine.step()
+        outs = step()
         now = time.perf_counter()
         for o in outs:
             clients.seen(o.seq_id, o.tokens, now)
@@ -96,7 +122,8 @@ def _turn(engine, clients, sid: str, prompt: list[int], max_tokens: int) -> dict
     return {"prompt_tokens": len(prompt), "ttft_s": round(first, 2), "drafter_ready_s": round(ready, 2),
             "shorts": len(t), "short_ttft_s": [round(x, 3) for x in t],
             "short_ttft_median_s": round(statistics.median(t), 3) if t else None,
-            "short_ttft_max_s": round(max(t), 3) if t else None, "answer": answer}
+            "short_ttft_max_s": round(max(t), 3) if t else None, "slowest_shorts": _slowest(clients.spans, steps),
+            "answer": answer}
 
 
 def run_mode(loaded, mode: str, session_tokens: list[int], follow_up_tokens, args, opts: DrafterOptions) -> dict:
