@@ -108,6 +108,33 @@ def test_reduced_vocabulary_head(setup, tmp_path):
     assert np.allclose(np.array(d.probs.sum(-1)), 1.0, atol=1e-5)
 
 
+def test_init_from_starts_at_the_given_head_and_keeps_its_draft_vocabulary(setup, tmp_path, capsys):
+    root, folder, m, corpus = setup
+    first = _train(root, folder, corpus, "first", "--steps", "8", "--vocab-subset", "48", "--dtype", "float32")
+    start = mx.load(str(first / "mtp.safetensors"))
+    # lr 0: the fine-tune starts exactly at the given head (a fresh --init head would not be equal to it)
+    same = _train(root, folder, corpus, "same", "--steps", "2", "--lr", "0", "--dtype", "float32",
+                  "--init-from", str(first / "mtp.safetensors"))
+    got = mx.load(str(same / "mtp.safetensors"))
+    assert set(got) == set(start)
+    for k in start:
+        assert mx.array_equal(got[k], start[k]), k
+    fresh = _train(root, folder, corpus, "fresh", "--steps", "2", "--lr", "0", "--dtype", "float32")
+    assert not mx.array_equal(mx.load(str(fresh / "mtp.safetensors"))["layers.0.eh_proj.weight"],
+                              start["layers.0.eh_proj.weight"])
+    # trained on from there: it moves, and it still drafts losslessly
+    tuned = _train(root, folder, corpus, "tuned", "--steps", "4", "--init-from", str(first / "mtp.safetensors"))
+    drafter = load_mtp_drafter(m.model, folder, m.config, mtp_weights=tuned / "mtp.safetensors")
+    assert np.array_equal(np.array(drafter.vocab_subset), np.array(start["vocab_subset"]))
+    prompt = [5, 17, 33, 90, 41]
+    assert _greedy(m.model, drafter, prompt, 2)[0] == _greedy(m.model, None, prompt, 0)[0]
+    # a file that is not a head: one error line before the model loads
+    bad = tmp_path / "corpus_as_head.safetensors"
+    shutil.copyfile(corpus, bad)
+    assert main(["--out", str(tmp_path / "o"), "--corpus", str(corpus), "--init-from", str(bad)]) == 2
+    assert "--init-from" in capsys.readouterr().err
+
+
 def test_help_explains_every_flag_with_its_default():
     from mlx_engine.train.mtp import _parser
 

@@ -219,6 +219,9 @@ def _parser() -> ArgumentParser:
                    help="draft over the N most frequent tokens of the corpus, a cheaper draft step (0 = the full vocabulary)")
     p.add_argument("--init", choices=("last-layer", "random"), default="last-layer",
                    help="the head's block starts as a copy of the target's last layer, or random")
+    p.add_argument("--init-from", default=None, metavar="HEAD",
+                   help="start from this head (a file train-mtp wrote, e.g. the shipped one) and fine-tune it; its draft "
+                        "vocabulary is kept unless --vocab-subset chooses one from the corpus (off: --init)")
     p.add_argument("--seed", type=int, default=0, help="seed of the initialisation and the data order")
     p.add_argument("--log-every", type=count(1), default=10, help="steps between log lines")
     p.add_argument("--ckpt-every", type=count(1), default=100,
@@ -264,7 +267,23 @@ def check_inputs(args) -> tuple[Path, list[str] | None]:
         prompts = read_prompts(args.prompts or DEFAULT_PROMPTS)
     if args.resume:
         check_checkpoint(Path(args.out) / CKPT)
+    if args.init_from:
+        read_head_file(args.init_from)
     return writable_dir(args.out), prompts
+
+
+def read_head_file(path) -> dict:
+    """The arrays of a head file train-mtp wrote (--init-from), or one error line naming it."""
+    p = Path(path)
+    if not p.is_file():
+        raise TrainInputError(f"--init-from {p}: no such file")
+    try:
+        arrays = mx.load(str(p))
+    except Exception as e:  # noqa: BLE001  (any unreadable file is the same user error)
+        raise TrainInputError(f"--init-from {p}: not a safetensors head ({e})") from None
+    if not any(k.startswith("layers.0.") for k in arrays):
+        raise TrainInputError(f"--init-from {p}: no trained head's tensors (layers.0.*): not a file train-mtp wrote")
+    return arrays
 
 
 def train(args) -> int:
@@ -297,7 +316,10 @@ def train(args) -> int:
     vocab = target.vocab_size
 
     ckpt = out / CKPT
+    start = read_head_file(args.init_from) if args.init_from else {}
     subset = draft_subset(args, ckpt, seqs, vocab, stop)
+    if subset is None and SUBSET_KEY in start and not args.resume:
+        subset = np.array(start[SUBSET_KEY], dtype=np.int32)
     if subset is not None:
         cover = np.isin(np.concatenate([t for t, _ in seqs]), subset).mean()
         log(f"draft vocabulary: {len(subset)} of {vocab} tokens, covering {cover:.1%} of the corpus tokens")
@@ -305,6 +327,13 @@ def train(args) -> int:
     mx.random.seed(args.seed)
     head = trained.build(m.model)
     init_head(head, target, args.init)
+    if start:
+        own = dict(tree_flatten(head.parameters()))
+        weights = [(k, v.astype(own[k].dtype) if k in own else v) for k, v in start.items() if k != SUBSET_KEY]
+        try:
+            head.load_weights(weights, strict=True)
+        except ValueError as e:
+            raise TrainInputError(f"--init-from {args.init_from}: not a head for this model ({e})") from None
     mx.eval(head.parameters())
     trainer = Trainer(target, head, subset, seqs, args)
     n_params = sum(v.size for _, v in tree_flatten(head.parameters()))
@@ -314,7 +343,7 @@ def train(args) -> int:
         f"steps {trainer.step}->{args.steps}, batch {args.batch}"))
     info = {"model": str(m.path), "corpus": corpus_desc, "corpus_sequences": len(seqs),
             "corpus_tokens": n_tokens, "steps": trainer.step, "batch": args.batch, "seq_len": args.seq_len,
-            "lr": args.lr, "train_minutes": round(train_seconds / 60, 2),
+            "lr": args.lr, "init_from": args.init_from, "train_minutes": round(train_seconds / 60, 2),
             "final_loss": history[-1][1] if history else None,
             "final_top1_agree": history[-1][2] if history else None}
     path = write_head(out, head, subset, cfg, info, getattr(mx, args.dtype))
