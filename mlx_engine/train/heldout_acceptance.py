@@ -34,6 +34,13 @@ def main(argv=None) -> int:
     p.add_argument("--prompts", default=str(DATA / "prompts_eval.jsonl"))
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--cache", default="/tmp/heldout.safetensors", help="greedy answers + hidden states, reused")
+    p.add_argument("--answers", default=None, help="a .jsonl of prompt_ids + response_ids rows measured instead of "
+                   "--prompts' greedy answers (e.g. answers decoded under a grammar: train/make_corpus_json.py); a "
+                   "draft is accepted iff it is the answer's own token (under a grammar: the masked argmax)")
+    p.add_argument("--grammar-prompts", default=None,
+                   help="with --answers: the rows (bench json-suite form, matched by id) whose grammars split the "
+                        "count into positions the grammar forces (drafted by the grammar itself) and free ones (where "
+                        "the head drafts under a grammar)")
     a = p.parse_args(argv)
 
     import mlx_engine  # noqa: F401  (OpenBLAS before mlx)
@@ -49,39 +56,79 @@ def main(argv=None) -> int:
     m = load(a.model or str(default_model_path()))
     target = Target(m.model)
     tok = m.tokenizer
-    prompts = [json.loads(x)["prompt"] for x in open(a.prompts) if x.strip()]
-    ids = [list(tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)) for q in prompts]
     cache = Path(a.cache)
-    if cache.exists():
-        answers = read_corpus(cache)
+    if a.answers:
+        rows = [json.loads(x) for x in open(a.answers) if x.strip()]
+        ids = [r["prompt_ids"] for r in rows]
+        answers = [(np.array(r["prompt_ids"][-1:] + r["response_ids"]), None) for r in rows]
     else:
-        answers = generate_corpus(target, ids, a.max_tokens, 0.0, len(ids), set(tok.eos_token_ids))
-        save_corpus(cache, answers)
+        prompts = [json.loads(x)["prompt"] for x in open(a.prompts) if x.strip()]
+        ids = [list(tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True))
+               for q in prompts]
+        if cache.exists():
+            answers = read_corpus(cache)
+        else:
+            answers = generate_corpus(target, ids, a.max_tokens, 0.0, len(ids), set(tok.eos_token_ids))
+            save_corpus(cache, answers)
     # full sequences (prompt + answer) and the target's hidden states over them, one pass each
     seqs = []
     for pr, (t, _) in zip(ids, answers):
-        full = pr[:-1] + t.tolist()  # t starts with the last prompt token
+        full = list(pr[:-1]) + [int(x) for x in t]  # t starts with the last prompt token
         h = _hidden(target, mx.array(full, dtype=mx.int32)[None], None)[0]
         greedy = mx.argmax(target.lm_head(h), axis=-1)
         mx.eval(h, greedy)
-        seqs.append((full, len(pr), h, np.array(greedy)))
+        # the reference at slot p: the token p + 1 the target chose (an answer's own token under a grammar)
+        seqs.append((full, len(pr), h, np.array(full[1:] + [-1]) if a.answers else np.array(greedy)))
+    free = forced_positions(m, a.answers, a.grammar_prompts) if a.grammar_prompts else None
     for path in a.heads:
         drafter = load_mtp_drafter(m.model, m.path, m.config, mtp_weights=path)
         layer = drafter.head.layers[0]
         hits = n = 0
-        for full, n_prompt, h, greedy in seqs:
+        split = {True: [0, 0], False: [0, 0]}  # free?: [accepted, drafted]
+        for j, (full, n_prompt, h, greedy) in enumerate(seqs):
             x = mx.array(full[1:], dtype=mx.int32)  # slot p: (t_{p+1}, h_p)
             out = layer(drafter._embed(x), h[:-1], drafter.head.make_cache()[0])
             draft = np.array(mx.argmax(drafter._logits(0, out, []), axis=-1))
             # slot p drafts t_{p+2}; the target's choice there is greedy[p+1]. Answer tokens from the 2nd on:
             # p + 2 >= n_prompt + 1
             lo, hi = n_prompt - 1, len(full) - 2
-            hits += int((draft[lo:hi] == greedy[lo + 1 : hi + 1]).sum())
+            ok = draft[lo:hi] == greedy[lo + 1 : hi + 1]
+            hits += int(ok.sum())
             n += hi - lo
-        print(f"{path}: depth-1 acceptance {hits / n:.3f} over {n} drafts", flush=True)
+            if free is not None:  # slot p drafts answer token p + 2 - n_prompt
+                for q, good in zip(free[j][1:], ok):
+                    split[q][0] += int(good)
+                    split[q][1] += 1
+        line = f"{path}: depth-1 acceptance {hits / n:.3f} over {n} drafts"
+        if free is not None:
+            line += "".join(f"; {name} {a_ / max(d, 1):.3f} over {d}" for name, (a_, d) in
+                            (("free", split[True]), ("forced", split[False])))
+        print(line, flush=True)
     for path in a.eagle3:
         print(f"{path}: " + eagle3_per_depth(path, m, target, seqs, a.depth), flush=True)
     return 0
+
+
+def forced_positions(m, answers: str, grammar_prompts: str) -> list[list[bool]]:
+    """Per answer row: for each answer token, True where the grammar forced nothing before it (a free
+    position, where a model drafter drafts under a grammar), False inside a forced run."""
+    from mlx_engine.bench.structured import load_structured
+
+    by_id = {r["id"]: r for r in (json.loads(x) for x in open(grammar_prompts) if x.strip())}
+    stop = set(m.tokenizer.eos_token_ids)
+    out = []
+    for x in open(answers):
+        if not x.strip():
+            continue
+        r = json.loads(x)
+        [sp] = load_structured("json", [by_id[r["id"]]], m)
+        matcher, free = sp.grammar.matcher(False), []
+        for t in r["response_ids"]:
+            free.append(not matcher.forced())
+            if t not in stop:
+                matcher.consume([t])
+        out.append(free)
+    return out
 
 
 def eagle3_per_depth(path, m, target, seqs, depth: int) -> str:
