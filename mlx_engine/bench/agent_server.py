@@ -86,10 +86,13 @@ def _turn(engine, clients, sid: str, prompt: list[int], max_tokens: int) -> dict
 
     def step():
         a = time.perf_counter()
-        before = {p["id"]: p["done"] for p in engine.prefilling()}
+        before = {p["id"]: (p["done"], p["total"]) for p in engine.prefilling()}
         outs = engine.step()
         after = {p["id"]: p["done"] for p in engine.prefilling()}
-        fed = {i: after.get(i, before[i]) - before[i] for i in before if after.get(i, before[i]) != before[i]}
+        # a prompt that left the list in this step was fed to its end in it; a new one's first count is what
+        # its row took from the prefix tree or another row (the step that made the row)
+        fed = {i: after.get(i, total) - done for i, (done, total) in before.items() if after.get(i, total) != done}
+        fed |= {i: n for i, n in after.items() if i not in before}
         steps.append((a, time.perf_counter(), len(engine.seqs), fed))
         return outs
 
