@@ -16,15 +16,20 @@ def _walk(schema):
         yield from _walk(schema["items"])
 
 
-@pytest.fixture(scope="module")
-def written(tmp_path_factory):
-    out = tmp_path_factory.mktemp("json_prompts")
+def _write(out):
+    """make_prompts_json.main() writing into `out` instead of the package data."""
     old = make_prompts_json.DATA
     make_prompts_json.DATA = out
     try:
         make_prompts_json.main()
     finally:
         make_prompts_json.DATA = old
+
+
+@pytest.fixture(scope="module")
+def written(tmp_path_factory):
+    out = tmp_path_factory.mktemp("json_prompts")
+    _write(out)
     read = lambda name: [json.loads(x) for x in (out / name).read_text().splitlines()]  # noqa: E731
     return read("prompts_json_train.jsonl"), read("prompts_json_eval.jsonl")
 
@@ -53,10 +58,5 @@ def test_held_out_rows_share_no_genre_with_training_and_the_file_is_seeded(writt
     genre = lambda r: r["response_format"].get("json_schema", {}).get("name", "json_object")  # noqa: E731
     assert not {genre(r) for r in held} & {genre(r) for r in train}
     assert len({genre(r) for r in train}) == len(make_prompts_json.TRAIN_GENRES)
-    old = make_prompts_json.DATA
-    make_prompts_json.DATA = tmp_path
-    try:
-        make_prompts_json.main()
-    finally:
-        make_prompts_json.DATA = old
+    _write(tmp_path)
     assert (tmp_path / "prompts_json_train.jsonl").read_text().splitlines() == [json.dumps(r) for r in train]
