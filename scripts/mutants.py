@@ -298,6 +298,11 @@ MUTANTS = [
            "if False:",
            ("tests/test_agent_prefill.py", "-k", "shares"),
            "a prompt fed alone crossing some layers still computes every layer: each share costs a whole pass"),
+    Mutant("ragged-keys-uncut", "mlx_engine/target_model/batch_sequences.py",
+           "*(cut(k, b, n - (L - r)) for k in keyed))",
+           "*(cut(k, b, n) for k in keyed))",
+           ("tests/test_ragged_queries.py",),
+           "a decoding row's real queries attend over its padding's keys too (beside a wider prompt chunk)"),
 ]
 
 

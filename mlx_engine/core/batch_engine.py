@@ -41,7 +41,7 @@ from ..target_model.batch_cache import BatchKVCache, batchable
 from ..target_model.cache import check_kv_quantization
 from ..target_model.fixed_rows import make_invariant_batches
 from ..target_model import layer_span, sequence_attention
-from ..target_model.batch_sequences import idle_rows
+from ..target_model.batch_sequences import idle_rows, real_widths
 from ..target_model.model import Target
 from . import invariance_default
 from . import batch_grammar
@@ -293,6 +293,7 @@ class BatchEngine(BatchRows):
             else:
                 rows.append(mx.full((width,), s.last, dtype=mx.int32))
         with idle_rows([i for i in range(b) if idle[i]]), \
+                real_widths({i: ks[i] + 1 for i in decoding if ks[i] + 1 < width}), \
                 layer_span.crossing(list(spans.values())):
             logits, hidden = self.target.forward_batch(mx.stack(rows), self.cache, self.want_hidden)
         masks = {}

@@ -34,6 +34,20 @@ def idle() -> frozenset:
     return _idle.get()
 
 
+_real: contextvars.ContextVar[dict] = contextvars.ContextVar("mlx_engine_real_widths", default={})
+
+
+@contextmanager
+def real_widths(widths: dict):
+    """Rows with fewer real tokens than the pass while inside ({row: r}: its first r tokens are real, the rest
+    padding whose outputs are thrown away): their padding runs no attention (stock passes, over_sequences)."""
+    token = _real.set(widths)
+    try:
+        yield
+    finally:
+        _real.reset(token)
+
+
 def cut(x, b: int, n: int | None = None):
     """Sequence b of x [B, H, S, D] (its first n keys when n is given; a tuple of parts cut alike; None: None)."""
     if x is None:
@@ -49,13 +63,27 @@ def value_width(values, group_size: int | None = None) -> int:
 
 
 def over_sequences(attend: Callable, lens: list[int], queries: tuple, keyed: tuple, width: int,
-                   skip_idle: bool = True) -> mx.array:
+                   skip_idle: bool = True, ragged: bool = False) -> mx.array:
     """attend(*queries_b, *keyed_b) for each sequence b: `queries` (arrays [B, H, L, *] or None) cut to b,
     `keyed` (keys, values, ... [B, H, S, *], or their quantized parts) cut to b's first lens[b] keys;
-    joined on the batch axis. An idle row gives zeros [1, H, L, width] without attending."""
+    joined on the batch axis. An idle row gives zeros [1, H, L, width] without attending. `ragged` (causal
+    attend only): a row with r < L real tokens (`real_widths`: a decoding row padded to a prompt chunk's
+    width) attends with its first r queries over its first lens[b] - (L - r) keys, exactly what those
+    queries saw causally, and gives zeros for its padding."""
     q0 = queries[0]
     rows = idle() if skip_idle else frozenset()
-    outs = [mx.zeros((1, q0.shape[1], q0.shape[2], width), q0.dtype) if b in rows else
-            attend(*(cut(q, b) for q in queries), *(cut(k, b, n) for k in keyed))
-            for b, n in enumerate(lens)]
+    real = _real.get() if ragged else {}
+    L = q0.shape[2]
+
+    def one(b, n):
+        if b in rows:
+            return mx.zeros((1, q0.shape[1], L, width), q0.dtype)
+        r = real.get(b, L)
+        if r >= L:
+            return attend(*(cut(q, b) for q in queries), *(cut(k, b, n) for k in keyed))
+        out = attend(*(None if q is None else cut(q, b)[:, :, :r] for q in queries),
+                     *(cut(k, b, n - (L - r)) for k in keyed))
+        return mx.concatenate([out, mx.zeros((1, q0.shape[1], L - r, width), q0.dtype)], axis=2)
+
+    outs = [one(b, n) for b, n in enumerate(lens)]
     return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)

@@ -34,7 +34,8 @@ def per_sequence(original, queries, keys, values, cache: BatchKVCache, scale: fl
     idle rows are zeros."""
     mask = "causal" if queries.shape[2] > 1 else None
     return over_sequences(lambda q, k, v: original(q, k, v, cache=cache, scale=scale, mask=mask, **kw),
-                          cache.lens, (queries,), (keys, values), value_width(values, getattr(cache, "group_size", 0)))
+                          cache.lens, (queries,), (keys, values), value_width(values, getattr(cache, "group_size", 0)),
+                          ragged=mask is not None)
 
 
 def _wrap(modname: str) -> None:
