@@ -83,7 +83,7 @@ def over_sequences(attend: Callable, lens: list[int], queries: tuple, keyed: tup
             return attend(*(cut(q, b) for q in queries), *(cut(k, b, n) for k in keyed))
         out = attend(*(None if q is None else cut(q, b)[:, :, :r] for q in queries),
                      *(cut(k, b, n - (L - r)) for k in keyed))
-        return mx.concatenate([out, mx.zeros((1, q0.shape[1], L - r, width), q0.dtype)], axis=2)
+        return mx.pad(out, [(0, 0), (0, 0), (0, L - r), (0, 0)])
 
     outs = [one(b, n) for b, n in enumerate(lens)]
     return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)

@@ -116,12 +116,9 @@ def forced_positions(m, answers: str, grammar_prompts: str) -> list[list[bool]]:
 
     by_id = {r["id"]: r for r in (json.loads(x) for x in open(grammar_prompts) if x.strip())}
     stop = set(m.tokenizer.eos_token_ids)
+    rows = [json.loads(x) for x in open(answers) if x.strip()]
     out = []
-    for x in open(answers):
-        if not x.strip():
-            continue
-        r = json.loads(x)
-        [sp] = load_structured("json", [by_id[r["id"]]], m)
+    for r, sp in zip(rows, load_structured("json", [by_id[r["id"]] for r in rows], m)):  # one grammar tokenizer
         matcher, free = sp.grammar.matcher(False), []
         for t in r["response_ids"]:
             free.append(not matcher.forced())

@@ -47,12 +47,11 @@ def main(argv=None) -> int:
     done = {json.loads(x)["id"] for x in open(out) if x.strip()} if out.exists() else set()
     stop = frozenset(m.tokenizer.eos_token_ids)
     engine = Engine(m.model, None)
+    todo = [(i, r) for i, r in enumerate(rows) if r["id"] not in done]
+    prompts = load_structured("json", [r for _, r in todo], m)  # one grammar tokenizer for all rows
     t0, n_tok = time.time(), 0
     with open(out, "a") as f:
-        for i, r in enumerate(rows):
-            if r["id"] in done:
-                continue
-            [sp] = load_structured("json", [r], m)
+        for (i, r), sp in zip(todo, prompts):
             cfg = GenerationConfig(max_tokens=a.max_tokens, sampling=SamplingConfig(temperature=a.temp),
                                    seed=a.seed + i, stop_tokens=stop, grammar=sp.grammar, grammar_drafts=True)
             answer = [t for step in engine.generate(sp.tokens, cfg) for t in step.tokens]
