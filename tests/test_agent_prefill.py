@@ -118,7 +118,7 @@ def test_a_short_request_is_not_starved_by_a_long_prompt_in_either_stage(built, 
     engine.add("short", short, 6)  # while the long prompt's target stage runs
     fed = []
     steps = step_until(engine, lambda o: fed.append(engine.prefilling()[0]["done"]) or o.get("short"), out, 20)
-    assert steps <= 2, f"first token after {steps} steps (its row made, then its prompt fed)"
+    assert steps == 1, f"first token after {steps} steps (its row joins into the spare row and is fed at once)"
     # the newcomer's steps carry its own work only: the long prompt waits (beside its chunk, the short one
     # would wait as long as that chunk takes)
     assert engine.prefilling()[0]["id"] == "long" and len(set(fed)) == 1, fed
@@ -137,6 +137,30 @@ def test_a_short_request_is_not_starved_by_a_long_prompt_in_either_stage(built, 
     for sid, p, n in (("long", long, 12), ("short", short, 6), ("short2", short[::-1], 6)):
         if sid in out:
             assert_greedy_equal(model, p, out[sid], alone(model, p, n))
+
+
+def test_a_request_joining_a_long_decoding_row_takes_its_spare_row_and_is_fed_in_that_step(built):
+    """A long prompt fed alone grows its cache with one spare row (another request could still join), so a
+    short request arriving while the long one decodes joins into it in place (no array of the long row's
+    entries copied) and gets its first token from the step it joins in, the remeasuring step that follows a
+    long prefill included (its few tokens do not wait for that measurement). A batch of one keeps no spare."""
+    model, _, vocab = built("none")
+    long, short = prompts(vocab)
+    engine, out = engine_for(model, None), {}
+    engine.add("long", long, 10)
+    step_until(engine, lambda o: o.get("long"), out, 200)
+    assert all(bc.allocated == 2 for bc in engine.cache)
+    arrays = [(bc.keys, bc.values) for bc in engine.cache]
+    engine.add("short", short, 4)
+    assert step_until(engine, lambda o: o.get("short"), out, 10) == 1
+    assert all((bc.keys, bc.values) == a for bc, a in zip(engine.cache, arrays))
+    drain(engine, out)
+    for sid, p, n in (("long", long, 10), ("short", short, 4)):
+        assert_greedy_equal(model, p, out[sid], alone(model, p, n))
+    single = BatchEngine(model, None, max_batch=1, prefill_step=16, idle_budget=1e6)
+    single.add("long", long, 10)
+    step_until(single, lambda o: o.get("long"), {}, 200)
+    assert [bc.allocated for bc in single.cache] == [1] * len(single.cache)
 
 
 class FeedCounter:
@@ -291,6 +315,34 @@ def test_a_prompt_fed_alone_crosses_the_layers_in_shares_skipping_the_rest(monke
     drain(engine, out)
     assert_greedy_equal(model, long, out["long"], alone(model, long, 8))
     assert_greedy_equal(model, short, out["short"], alone(model, short, 4))
+
+
+def test_a_share_s_time_sizes_the_next_shares_and_a_chunk_s_unread_last_share_is_not_timed(monkeypatch):
+    """A chunk fed alone in shares: each share's measured time sets the layers of the next (those that fit
+    IDLE_STEP); the chunk's last share is not timed for the sizer when its output is not read (no first token
+    from it: that layer's attention and MLP are never evaluated, only its keys and values, so timed as a
+    whole pass it made the next chunk too large). A layer a step over 4 layers: 3 of every 4 steps timed."""
+    from mlx_engine.core import batch_prefill
+    from mlx_engine.core.batch_prefill import Prefilling
+    from mlx_engine.target_model.layer_span import Span
+
+    model = tiny_models.build("llama", seed=3, num_hidden_layers=4)[0]
+    long, _ = prompts(tiny_models.VOCAB)
+    engine = engine_for(model, None)
+    p = Prefilling(seq=None, share=4)
+    engine.prefills.reshare(p, Span(0, 4, 8, 16), 2 * batch_prefill.IDLE_STEP)
+    assert p.share == 2  # twice the aim: half the layers
+    engine.prefills.reshare(p, Span(0, 8, 10, 16), batch_prefill.IDLE_STEP / 3)
+    assert p.share == 6
+    engine.add("long", long, 4)
+    step_until(engine, lambda _: engine.prefilling()[0]["done"] >= 16, {}, 10)
+    monkeypatch.setattr(batch_prefill, "IDLE_STEP", 1e-12)  # every chunk crosses a layer a step
+    timed = []
+    real = engine.prefills.observe
+    monkeypatch.setattr(engine.prefills, "observe", lambda *a, **k: timed.append(1) or real(*a, **k))
+    for _ in range(8):
+        engine.step()
+    assert len(timed) == 6, f"{len(timed)} of 8 share steps timed"
 
 
 def test_a_chunk_crossing_in_shares_waits_while_a_row_decodes(monkeypatch):

@@ -96,6 +96,39 @@ def test_rows_join_into_the_spare_rows_the_last_rows_left():
     assert batch.allocated == 1 and batch.lens == [7]
 
 
+
+def test_arrays_made_anew_hold_the_spare_rows_asked_for_and_the_next_row_joins_into_one():
+    """`spare`: a cache grown (a long prompt's room) or rebuilt by a join holds that many rows beyond the live
+    ones; the next row joins into one in place (no new arrays, add_row says nothing was copied), each row
+    holding exactly its own entries; with none spare a join copies (and says so)."""
+    mx.random.seed(2)
+    entries = lambda n: (mx.random.normal((1, 2, n, 4)), mx.random.normal((1, 2, n, 4)))  # noqa: E731
+    batch, singles = BatchKVCache(), []
+    batch.spare = 1
+
+    def add(n):
+        k, v = entries(n)
+        copied = batch.add_row(k, v)
+        singles.append(KVCache())
+        if n:
+            singles[-1].update_and_fetch(k, v)
+        return copied
+
+    assert add(5) is False and batch.allocated == 2
+    batch.reserve(600)  # grown ahead of a long prompt: the spare row kept
+    assert batch.capacity >= 600 and batch.allocated == 2
+    arrays = (batch.keys, batch.values)
+    assert add(3) is False and (batch.keys, batch.values) == arrays  # joined in place
+    batch.spare = 0
+    assert add(0) is True and batch.allocated == 3  # no spare row left: copied
+    new_k, new_v = mx.random.normal((3, 2, 2, 4)), mx.random.normal((3, 2, 2, 4))
+    batch.update_and_fetch(new_k, new_v)
+    for i, c in enumerate(singles):
+        c.update_and_fetch(new_k[i : i + 1], new_v[i : i + 1])
+        k, v = batch.row(i)
+        assert mx.array_equal(k, c.keys[:, :, : c.offset]) and mx.array_equal(v, c.values[:, :, : c.offset])
+
+
 @pytest.mark.cpu_exact
 @pytest.mark.parametrize("num_draft", [0, 1, 3, "auto"])
 def test_concurrent_greedy_each_equals_alone(llama, num_draft):

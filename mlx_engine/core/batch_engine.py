@@ -56,6 +56,8 @@ from .verify import choose_row
 
 
 REMEASURE = 16  # steps between two that decode alone while prompts are being fed
+SMALL_REST = 64  # a prompt with no more left than this is fed in a remeasuring step too (a short request's
+# first token does not wait a step for the measurement that sizes long prompts' chunks)
 
 
 class BatchEngine(BatchRows):
@@ -259,7 +261,7 @@ class BatchEngine(BatchRows):
             turn = []
         if decoding and turn and self.prefills.paused_beside(feeding[turn[0]]):
             turn = []
-        if turn and not remeasure:
+        if turn and (not remeasure or feeding[turn[0]].left() <= SMALL_REST):
             cap = self.max_k + 1 if decoding and self.max_k < 1 << 30 else None  # invariant passes stay covered
             depth = max(feeding[i].done for i in turn)
             chunk = self.prefills.chunk_size(self.step_times, len(decoding), cap, depth)
@@ -361,9 +363,15 @@ class BatchEngine(BatchRows):
         elif decoding:  # a chunk that crossed m of the L layers counts as m / L of its tokens
             self.prefills.observe(max(n * (spans[i].end - spans[i].start) / self.layer_count if i in spans else n
                                       for i, n in enumerate(fed)), seconds, depth)
-        else:  # fed alone: a share of m layers times as a whole pass's L / m (the chunk keeps its token count)
+        elif not any(0 < sp.start and sp.end == self.layer_count and not firsts for sp in spans.values()):
+            # fed alone: a share of m layers times as a whole pass's L / m (the chunk keeps its token count).
+            # Not a chunk's last share when its output is not read (a first token's logits): that layer's
+            # attention and MLP are never evaluated (only its keys and values are), and timed as a whole
+            # pass it made the next chunk ~2x too large (its first share 0.6-1.4 s at 3k, aiming at 0.25)
             share = max(((sp.end - sp.start) / self.layer_count for sp in spans.values()), default=1.0)
             self.prefills.observe(max(fed), seconds / share, depth)
+            for i, sp in spans.items():
+                self.prefills.reshare(feeding[i], sp, seconds)
         reshaped, self._reshaped = self._reshaped, False
         accepted, finished, start = [], [], 0
         for i, s in enumerate(self.seqs):

@@ -40,7 +40,8 @@ from .chunk_sizer import ChunkSizer
 
 STEP_BUDGET = 2.2  # a step that feeds prompt chunks may take this many times the median decoding step
 WAIT_FOR_TWIN = 32  # a new prompt waits for a row still feeding this many more tokens it shares
-IDLE_STEP = 0.25  # seconds a step feeding a prompt alone aims at (its chunk crossing the layers in shares)
+IDLE_STEP = 0.12  # seconds a step feeding a prompt alone aims at (its chunk crossing the layers in shares): what a
+# request arriving meanwhile may wait for (0.25 s before: a short request's wait ~3.5x its idle TTFT at most)
 # such a chunk waits while rows decode (beside them its whole width would run every layer's matmuls each
 # step), at most this many steps, then crosses the rest of the layers in one step
 PAUSE_STEPS = 32
@@ -197,6 +198,14 @@ class PrefillQueue:
             return Span(row, 0, p.share, fed, keep=self.keep, kept=p.kept) if p.share < layers else None
         return None
 
+    def reshare(self, p: Prefilling, span: Span, seconds: float) -> None:
+        """After a share of p's chunk fed alone took `seconds`: its next shares sized from it, the layers that
+        fit IDLE_STEP at this depth. The first share comes from the sizer's prediction of the whole chunk,
+        which was off up to 2x here (steps of 0.22 s aimed at 0.12 s), and a request arriving waits for the
+        step in flight."""
+        if p.share and seconds > 0:
+            p.share = max(1, int(IDLE_STEP * (span.end - span.start) / seconds))
+
     def crossed_hidden(self, p: Prefilling, hidden: mx.array) -> mx.array:
         """The hidden rows [n, H'] a drafter reads of p's chunk after the pass that ends its crossing:
         the inner layers' outputs as kept in the passes that crossed them, the final state (if asked for)
@@ -238,9 +247,11 @@ class PrefillQueue:
         return p.drafter_left == 0
 
     def budget(self, step_times: list[float], running: int) -> float:
-        """Seconds a drafter chunk may take: the running batch's median step, or idle_budget when none decodes."""
+        """Seconds a drafter chunk may take: the running batch's median step; while none decodes IDLE_STEP (at
+        most idle_budget), as a target chunk's share: a request arriving waits for the chunk in flight (the MTP
+        head's part of an 8k prompt went in chunks of idle_budget, 1 s, before)."""
         if running == 0 or not step_times:
-            return self.idle_budget
+            return min(self.idle_budget, IDLE_STEP)
         recent = sorted(step_times[-32:])
         return recent[len(recent) // 2]
 

@@ -51,32 +51,44 @@ class BatchRows:
             hidden = [hit.hidden] if hit.hidden is not None else []
             if hit.drafter is not None:  # the drafter's entries too: its stage skips them (drafter_prefix.py)
                 p.drafter_prefix = (hit.drafter, hit.drafter_n)
-        elif n:
-            states = row_prefix([bc.row(source) for bc in self.cache], n)
+        elif n:  # a copy made first: a write from views of the arrays it goes into copies every row (~0.1 s a 2k row)
+            states = tree_map(mx.contiguous, row_prefix([bc.row(source) for bc in self.cache], n))
+            host.wait(states)
             rows = self._hidden_of(self.seqs[source])
             hidden = [mx.concatenate(rows)[:n]] if self.want_hidden and rows else []
-        reused = n
+        reused, fresh = n, True
         if n:
-            self._append_row(states, n + self.prefills.prefill_step)
+            fresh = self._append_row(states, n + self.prefills.prefill_step) or n > self.prefills.prefill_step
         elif self.cache:
-            self._append_row([empty_like(bc.row(0)) for bc in self.cache], self.prefills.prefill_step)
+            fresh = self._append_row([empty_like(bc.row(0)) for bc in self.cache], self.prefills.prefill_step)
         else:  # no rows to take shapes from: feed the first chunk alone (nobody is decoding to wait for it)
             n = self._first_chunk_alone(p, hidden)
         p.hidden = hidden
+        p.fresh = fresh  # its join took this step's time (other rows copied, or a long prefix written): no chunk yet
         self.prefills.start(p, n, reused)
         self.seqs.append(p.seq)
 
-    def _append_row(self, states: list, capacity: int = 0) -> None:
+    def _append_row(self, states: list, capacity: int = 0) -> bool:
         """A new row from per-layer (keys, values) [1, H, n, D]: copied into the batch cache, which then has
         room for `capacity` positions per row (what it holds and a chunk: the rest of a long prompt's room
-        is grown a few layers per step, `_grow_ahead`)."""
+        is grown a few layers per step, `_grow_ahead`). True when the other rows were copied with it (no
+        spare row to join into)."""
         if not self.cache:
             self.cache = [QuantizedBatchKVCache(c.group_size, c.bits) if hasattr(c, "bits") else BatchKVCache()
                           for c in self.target.make_cache()]
+        spare, copied = self._spare_rows(), False
         for bc, (keys, values) in zip(self.cache, states):
-            bc.add_row(keys, values, capacity)
+            bc.spare = spare
+            copied = bc.add_row(keys, values, capacity) or copied
         host.wait([a for bc in self.cache for a in bc.state])
         self._reshaped = True
+        return copied
+
+    def _spare_rows(self) -> int:
+        """Rows the batch cache holds beyond the live ones when its arrays are made anew (target_model/
+        batch_cache.py): one while another request could still join (a free slot, the rows joining counted,
+        and the memory budget holds one more row at the longest extent), so that it joins in place."""
+        return int(self.free_slots() > 0 and self.can_admit(1, 1))
 
     def _first_chunk_alone(self, p: Prefilling, hidden: list) -> int:
         """The first row of an empty batch: p's first chunk through a single-sequence cache (its hidden rows
@@ -131,9 +143,9 @@ class BatchRows:
         decoding steps, in the step of a stream beside it)."""
         room = max((p.room for p in self.prefills.joining.values() if not p.sampled), default=0)
         waiting = any(self.prefills.feeding(s) is None for s in self.seqs)
-        spent = 0
+        spent, spare = 0, self._spare_rows()
         for bc in sorted(self.cache, key=lambda bc: bc.capacity):
-            bc.room = room
+            bc.room, bc.spare = room, spare
             if not waiting:
                 bc.reserve(room)
             elif spent < GROW_BYTES and 0 < bc.capacity < room:

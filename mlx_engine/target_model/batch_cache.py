@@ -17,7 +17,11 @@ a pass writes each live row's entries by a slice write and returns the first B r
 only its own entries: nothing for an empty row). Before, every join and leave copied every row's entries
 into new arrays: ~0.35 s with an 8k-token row beside on this CPU, paid by the short request that joined.
 A join with no spare row, a leave from the middle, or a capacity grown copies as before, into arrays of
-the live rows only: memory is never held beyond rows that were in use together.
+the live rows and `spare` more (0 unless the owner asks: the batch engine asks for one while another request
+could still join and the memory budget holds its row, core/batch_rows.py `_spare_rows`). A long prompt
+fed alone grows its arrays as it is fed, so its first neighbour then joins in place: without it, that join
+copied the long row's entries (0.31-0.41 s beside a 4-8k-token row on this CPU, paid by the request that
+joined). A spare row costs one more row of the longest row's entries: what that join allocates anyway.
 
 QuantizedBatchKVCache holds each entry as mlx-lm's QuantizedKVCache does, (data, scales, biases) per
 token in groups along the head dimension (`bits` / `group_size` make mlx-lm's attention take the
@@ -39,6 +43,7 @@ class BatchKVCache:
         self.values = None
         self.lens: list[int] = []
         self.room = 0  # positions a row is known to need soon (a prompt being fed): growth goes up to it
+        self.spare = 0  # rows beyond the live ones that arrays made anew (a grow, a join by copy) hold
 
     @property
     def capacity(self) -> int:
@@ -106,10 +111,13 @@ class BatchKVCache:
             return
         new = ((self.toward_room(need) + STEP - 1) // STEP) * STEP
         b = len(self.lens)
+        rows = b + self.spare
 
-        def grow(stored, like):  # (the live rows only: a grow copies anyway, and drops the spare rows)
-            extra = mx.zeros((b, like.shape[1], new - cap, like.shape[3]), dtype=like.dtype)
-            return extra if stored is None else mx.concatenate([stored[:b], extra.astype(stored.dtype)], axis=2)
+        def grow(stored, like):  # the live rows copied (a grow copies anyway), spare ones as asked for now
+            out = mx.zeros((rows, like.shape[1], new, like.shape[3]), dtype=like.dtype if stored is None else stored.dtype)
+            if stored is not None:
+                out[:b, :, :cap] = stored[:b]
+            return out
 
         if self.keys is None:
             self.keys = tree_map(lambda like: grow(None, like), keys)
@@ -142,11 +150,12 @@ class BatchKVCache:
             raise ValueError(f"cannot trim {n} of row {i}'s {self.lens[i]} entries")
         self.lens[i] -= n
 
-    def add_row(self, keys, values, capacity: int = 0) -> None:
+    def add_row(self, keys, values, capacity: int = 0) -> bool:
         """Append a sequence whose entries are keys/values [1, H, L, D] (L = its length; quantized: parts),
         with room for `capacity` positions per row if that is more. Into a spare row when there is one and
         the capacity suffices (its own entries written in place); else one new array per part, the old rows
-        and the new one written into it (a join copies each entry once)."""
+        and the new one written into it (a join copies each entry once), and `spare` rows more. -> whether
+        the other rows' entries were copied."""
         n = tree_flatten(keys)[0][1].shape[2]
         if self.keys is None:
             self.lens = []
@@ -161,12 +170,12 @@ class BatchKVCache:
                 self.keys = tree_map(write, self.keys, keys)
                 self.values = tree_map(write, self.values, values)
             self.lens.append(n)
-            return
+            return False
         cap = max(self.capacity, ((need + STEP - 1) // STEP) * STEP)
 
         def append(stored, row):
             dtype = stored.dtype if stored is not None else row.dtype
-            out = mx.zeros((b + 1, row.shape[1], cap, row.shape[3]), dtype=dtype)
+            out = mx.zeros((b + 1 + self.spare, row.shape[1], cap, row.shape[3]), dtype=dtype)
             if stored is not None:
                 out[:b, :, : stored.shape[2]] = stored[:b]
             out[b : b + 1, :, :n] = row.astype(dtype)
@@ -179,6 +188,7 @@ class BatchKVCache:
             self.keys = tree_map(append, self.keys, keys)
             self.values = tree_map(append, self.values, values)
         self.lens.append(n)
+        return b > 0
 
     def keep_rows(self, rows: list[int]) -> None:
         """Keep only these rows, in this order (the others' entries are freed; capacity beyond the rows'
