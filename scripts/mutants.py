@@ -328,6 +328,11 @@ MUTANTS = [
            "        p.fresh = True  #",
            ("tests/test_agent_prefill.py", "-k", "spare_row"),
            "a row that joined into a spare row (nothing copied) still waits a step before its prompt is fed"),
+    Mutant("mtp-last-slot-in-its-piece", "mlx_engine/drafters/mtp/drafter.py",
+           "        bounds = [(s, min(s + self.prefill_step, n - 1)) for s in range(0, n - 1, self.prefill_step)] + [(n - 1, n)]\n",
+           "        bounds = [(s, min(s + self.prefill_step, n)) for s in range(0, n, self.prefill_step)]\n",
+           ("tests/test_agent_prefill.py", "-k", "last_slot"),
+           "the MTP head's last prompt slot fed with its piece: its output costs the piece's whole attention and MLP"),
 ]
 
 

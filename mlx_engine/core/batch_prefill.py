@@ -18,7 +18,8 @@ A sequence goes through three stages:
 The chunk is sized from measured step times (core/chunk_sizer.py): the whole step, decoding rows and
 chunk together, is held to `STEP_BUDGET` x the median step of decoding alone (a stream's gap between
 tokens stays within ~2.2x its median: the weights are read once for both), or `idle_budget` seconds
-when no row decodes (new arrivals and cancellations are then seen within about that). Where even one
+when no row decodes; such a chunk then crosses the layers in shares of ~IDLE_STEP (`span`), so new
+arrivals and cancellations are seen within a share (a drafter's chunk fed alone aims at it too). Where even one
 token does not fit (deep in a long prompt, its attention alone outweighs a decoding step), the token
 crosses the decoder layers over several steps, as many per step as fit, its hidden state carried
 between them (`span`, target_model/layer_span.py). A cancelled
