@@ -144,12 +144,15 @@ def test_a_request_joining_a_long_decoding_row_takes_its_spare_row_and_is_fed_in
     """A long prompt fed alone grows its cache with one spare row (another request could still join), so a
     short request arriving while the long one decodes joins into it in place (no array of the long row's
     entries copied) and gets its first token from the step it joins in, the remeasuring step that follows a
-    long prefill included (its few tokens do not wait for that measurement). A batch of one keeps no spare."""
+    long prefill included (its few tokens do not wait for that measurement), its 40 tokens in one chunk
+    whatever the chunk sizer says (8 here). A batch of one keeps no spare."""
     model, _, vocab = built("none")
     long, short = prompts(vocab)
-    engine, out = engine_for(model, None), {}
+    short = short * 5
+    engine, out = BatchEngine(model, None, num_draft=2, prefill_step=64, idle_budget=1e6), {}
     engine.add("long", long, 10)
     step_until(engine, lambda o: o.get("long"), out, 200)
+    engine.prefills.chunk_size = lambda *a, **k: 8
     assert all(bc.allocated == 2 for bc in engine.cache)
     arrays = [(bc.keys, bc.values) for bc in engine.cache]
     engine.add("short", short, 4)

@@ -56,8 +56,8 @@ from .verify import choose_row
 
 
 REMEASURE = 16  # steps between two that decode alone while prompts are being fed
-SMALL_REST = 64  # a prompt with no more left than this is fed in a remeasuring step too (a short request's
-# first token does not wait a step for the measurement that sizes long prompts' chunks)
+SMALL_REST = 64  # a prompt with no more left than this is fed whole, in a remeasuring step too (a short
+# request's first token waits neither for the measurement that sizes long prompts' chunks nor a second chunk)
 
 
 class BatchEngine(BatchRows):
@@ -261,10 +261,13 @@ class BatchEngine(BatchRows):
             turn = []
         if decoding and turn and self.prefills.paused_beside(feeding[turn[0]]):
             turn = []
-        if turn and (not remeasure or feeding[turn[0]].left() <= SMALL_REST):
+        small = bool(turn) and feeding[turn[0]].left() <= SMALL_REST
+        if turn and (not remeasure or small):
             cap = self.max_k + 1 if decoding and self.max_k < 1 << 30 else None  # invariant passes stay covered
             depth = max(feeding[i].done for i in turn)
             chunk = self.prefills.chunk_size(self.step_times, len(decoding), cap, depth)
+            if small:  # what is left of a short prompt goes in whole (not a first chunk of 32, then the rest)
+                chunk = min(max(chunk, feeding[turn[0]].left()), cap or 1 << 30, self.prefills.prefill_step)
             if decoding:  # fed only as far as the room grown ahead (_grow_ahead): no growth inside the pass
                 chunk = max(0, min(chunk, self.fed_room(widest + 1)))
         fed = [min(chunk, f.total - f.done) if i in turn else 0 for i, f in enumerate(feeding)]
