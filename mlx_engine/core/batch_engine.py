@@ -56,8 +56,9 @@ from .verify import choose_row
 
 
 REMEASURE = 16  # steps between two that decode alone while prompts are being fed
-SMALL_REST = 64  # a prompt with no more left than this is fed whole, in a remeasuring step too (a short
-# request's first token waits neither for the measurement that sizes long prompts' chunks nor a second chunk)
+SMALL_PROMPT = 64  # a prompt of at most this many tokens is fed whole, in a remeasuring step too (a short
+# request's first token waits neither for the measurement that sizes long prompts' chunks nor a second chunk;
+# the tail of a long prompt is not one: deep in it a token can cost more than a decoding step)
 
 
 class BatchEngine(BatchRows):
@@ -261,12 +262,12 @@ class BatchEngine(BatchRows):
             turn = []
         if decoding and turn and self.prefills.paused_beside(feeding[turn[0]]):
             turn = []
-        small = bool(turn) and feeding[turn[0]].left() <= SMALL_REST
+        small = bool(turn) and feeding[turn[0]].total <= SMALL_PROMPT  # shallow: cheap whatever the sizer says
         if turn and (not remeasure or small):
             cap = self.max_k + 1 if decoding and self.max_k < 1 << 30 else None  # invariant passes stay covered
             depth = max(feeding[i].done for i in turn)
             chunk = self.prefills.chunk_size(self.step_times, len(decoding), cap, depth)
-            if small:  # what is left of a short prompt goes in whole (not a first chunk of 32, then the rest)
+            if small:  # a short prompt goes in whole (not a first chunk of 32, then the rest)
                 chunk = min(max(chunk, feeding[turn[0]].left()), cap or 1 << 30, self.prefills.prefill_step)
             if decoding:  # fed only as far as the room grown ahead (_grow_ahead): no growth inside the pass
                 chunk = max(0, min(chunk, self.fed_room(widest + 1)))
