@@ -12,8 +12,7 @@ import sys
 import time
 
 import mlx_engine  # noqa: F401  (OpenBLAS before mlx)
-from mlx_engine.bench.agent_session import session
-from mlx_engine.bench.longctx import encode
+from mlx_engine.bench.longctx import encode, sized_session
 from mlx_engine.core.batch_engine import BatchEngine
 from mlx_engine.drafters.registry import DrafterOptions, make_drafter
 from mlx_engine.models import load
@@ -23,7 +22,7 @@ from mlx_engine.models.default import default_model_path
 def main(length: int, modes: list[str], repeats: int, eagle3: str | None) -> None:
     m = load(str(default_model_path()))
     tok = m.tokenizer
-    long = encode(tok, session(lambda msgs: len(encode(tok, msgs)), length)["messages"])
+    long = encode(tok, sized_session(tok, length)["messages"])
     for _ in range(repeats):
         for mode in modes:
             drafter = None if mode == "none" else make_drafter(mode, m, DrafterOptions(

@@ -13,8 +13,7 @@ import sys
 import time
 
 import mlx_engine  # noqa: F401  (OpenBLAS before mlx)
-from mlx_engine.bench.agent_session import session
-from mlx_engine.bench.longctx import encode
+from mlx_engine.bench.longctx import encode, sized_session
 from mlx_engine.core.batch_engine import BatchEngine
 from mlx_engine.models import load
 from mlx_engine.models.default import default_model_path
@@ -23,7 +22,7 @@ from mlx_engine.models.default import default_model_path
 def main(length: int) -> None:
     m = load(str(default_model_path()))
     tok = m.tokenizer
-    long = encode(tok, session(lambda msgs: len(encode(tok, msgs)), length)["messages"])
+    long = encode(tok, sized_session(tok, length)["messages"])
     short = encode(tok, [{"role": "user", "content": "hi"}])
     for tree_gb in (4.0, 0.0):
         eng = BatchEngine(m.model, None, prefix_cache_bytes=int(tree_gb * 2**30))

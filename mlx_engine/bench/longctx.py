@@ -46,6 +46,11 @@ def encode(tokenizer, messages) -> list[int]:
     return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
 
 
+def sized_session(tokenizer, length: int) -> dict:
+    """The agent session (agent_session.session) whose prompt is about `length` tokens with this tokenizer."""
+    return session(lambda msgs: len(encode(tokenizer, msgs)), length)
+
+
 def generate(engine, prompt, max_tokens, stop=frozenset(), **kw):
     cfg = GenerationConfig(max_tokens=max_tokens, num_draft="auto", stop_tokens=stop, **kw)
     out = [t for s in engine.generate(prompt, cfg) for t in s.tokens]
@@ -178,7 +183,7 @@ def kv_run(loaded, prompt, kv_bits, group, max_tokens):
 def run_length(loaded, length, args) -> dict:
     tok = loaded.tokenizer
     stop = frozenset(getattr(tok, "eos_token_ids", None) or ())
-    s = session(lambda msgs: len(encode(tok, msgs)), length)
+    s = sized_session(tok, length)
     prompt = {"messages": s["messages"], "tokens": encode(tok, s["messages"])}
     if args.stall_only:
         return {"length": length, "session_files": s["files"],
@@ -317,7 +322,7 @@ def agent_server_main(args, parser) -> int:
             if window and length + args.max_tokens > window:
                 print(f"{length}: skipped (the model's context window is {window})", flush=True)
                 continue
-            s = session(lambda msgs: len(encode(tok, msgs)), length)
+            s = sized_session(tok, length)
             tokens = encode(tok, s["messages"])
             more = lambda answer: encode(tok, s["messages"] + follow_up(tok.decode(answer)))  # noqa: E731
             for mode in modes:
