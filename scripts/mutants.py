@@ -338,6 +338,22 @@ MUTANTS = [
            "        bounds = [(s, min(s + self.prefill_step, n)) for s in range(0, n, self.prefill_step)]\n",
            ("tests/test_agent_prefill.py", "-k", "last_slot"),
            "the MTP head's last prompt slot fed with its piece: its output costs the piece's whole attention and MLP"),
+    Mutant("unsure-cut-takes-cut-probs", "mlx_engine/core/engine.py",
+           "        cut = probs is not None and n < len(tokens[:sure])  # the grammar's cut: the forbidden token's q\n",
+           "        cut = probs is not None and n < len(tokens)  # the grammar's cut: the forbidden token's q\n",
+           ("tests/test_grammar_distribution.py", "-k", "unsure"),
+           "a position dropped for the drafter's low confidence treated as a grammar cut: the next token drawn from "
+           "the residual against a token never verified"),
+    Mutant("unsure-positions-verified", "mlx_engine/core/engine.py",
+           "        n = self._matcher.legal(tokens[:sure])\n",
+           "        n = self._matcher.legal(tokens)\n",
+           ("tests/test_grammar_engine.py", "-k", "unsure"),
+           "draft positions below the confidence threshold verified anyway"),
+    Mutant("first-draft-unmasked", "mlx_engine/drafters/mtp/drafter.py",
+           "            if i == 0 and first_allowed is not None:\n",
+           "            if i == 1 and first_allowed is not None:\n",
+           ("tests/test_grammar_engine.py", "-k", "first_token_among"),
+           "the grammar's mask applied to the head's second draft position instead of its first"),
 ]
 
 

@@ -105,6 +105,24 @@ class MixedDrafter:
         return None
 
 
+class UnsureMixedDrafter(MixedDrafter):
+    """MixedDrafter's drafts with their confidence (the largest probability of each q): the engine verifies
+    them only up to the first position below its threshold (core/confidence.py), a decision made on q alone,
+    so every emitted token must still follow the masked target."""
+
+    name = "mixed-unsure"
+
+    def propose(self, k, sampling, key):
+        d = super().propose(k, sampling, key)
+        from mlx_engine.drafters.base import Draft
+
+        confidence = mx.max(d.probs, axis=-1) if d.probs is not None else None
+        return Draft(d.tokens, d.probs, d.host_tokens, confidence=confidence)
+
+
+UNSURE = 0.6  # the engine's threshold in the unsure case: about half of MixedDrafter's positions fall below
+
+
 def reference_probs(tokens: np.ndarray, cfg: SamplingConfig) -> np.ndarray:
     """[runs, T, V]: the target's distribution of each token given the prompt and the tokens before it, the
     tokens the grammar forbids there at -inf before the sampler chain."""
@@ -146,7 +164,7 @@ def _generate(engine, cfg, k, runs, max_tokens):
     from mlx_engine import GenerationConfig
 
     tokens, where = [], []
-    engine.totals = {"drafted": 0, "accepted": 0, "forced": 0, "cut": 0}
+    engine.totals = {"drafted": 0, "accepted": 0, "forced": 0, "cut": 0, "unsure": 0}
     g = grammar()
     for seed in range(runs):
         gen = GenerationConfig(max_tokens=max_tokens, num_draft=k, sampling=cfg, seed=seed, grammar=g)
@@ -165,20 +183,24 @@ CASES = {
     "noisy copy with probabilities, temperature 1": ("noisy", SamplingConfig(temperature=1.0), 3),
     "noisy copy, temperature 0.7, top-k 3": ("noisy", SamplingConfig(temperature=0.7, top_k=3), 3),
     "legal guesses, temperature 1": ("guess", SamplingConfig(temperature=1.0), 2),
+    "mixed q, unsure positions dropped, temperature 1": ("unsure", SamplingConfig(temperature=1.0), 3),
 }
 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_every_position_follows_the_target_restricted_to_the_grammar(name):
     kind, cfg, k = CASES[name]
-    drafter = {"noisy": lambda: DraftModelDrafter(noisy_copy(), V), "mixed": MixedDrafter,
+    drafter = {"noisy": lambda: DraftModelDrafter(noisy_copy(), V), "mixed": MixedDrafter, "unsure": UnsureMixedDrafter,
                "guess": lambda: gu.LegalGuesser(grammar(), vocab=V)}[kind]()
     engine = Engine(target(), drafter)
+    engine.confident = UNSURE if kind == "unsure" else 0.0
     classes = assert_positions_follow_the_masked_target(engine, cfg, k)
     t = engine.totals
     assert t["forced"] > 0 and 0 < t["accepted"] < t["drafted"], t  # grammar drafts, partial accepts
-    if kind in ("noisy", "mixed"):
+    if kind in ("noisy", "mixed", "unsure"):
         assert t["cut"] > 0, t  # drafts left the grammar and were cut
+    if kind == "unsure":
+        assert t["unsure"] > 0, t  # positions dropped for the drafter's low confidence
     if kind != "noisy":  # (the noisy copy's drafts are nearly all cut early)
         assert any(j >= 3 for (_, j) in classes), classes  # positions after accepted drafts were tested
 

@@ -236,3 +236,60 @@ def test_every_emitted_token_is_legal_at_temperature_one():
             m.consume([t for t in out if t != gu.eos()])  # raises on a token the grammar forbids
             if out[-1] == gu.eos():
                 assert_valid(out)
+
+
+# -- a model drafter under a grammar: its first token among the legal ones, unsure positions not verified --------
+
+@pytest.mark.parametrize("threshold", [0.0, 0.3, 1.01])
+def test_unsure_draft_positions_are_not_verified(threshold, tmp_path):
+    """The MTP head's drafts carry its confidence (the largest probability it drafted from): positions from the
+    first below the engine's threshold are dropped before the verify pass (core/confidence.py). The output is
+    plain constrained greedy at every threshold; 0 drops nothing, above 1 drops every model draft."""
+    model, drafter = make("mtp", tmp_path)
+    grammar = gu.schema_grammar()
+    ref = gu.reference(model, gu.PROMPT, grammar, N)
+    engine = Engine(model, drafter)
+    engine.confident = threshold
+    out, _ = generate(engine, grammar, 3)
+    assert out == ref
+    s = engine.stats
+    if threshold == 0.0:
+        assert s.unsure == 0 and s.drafted > 0
+    elif threshold > 1:
+        assert s.unsure > 0 and s.drafted == 0
+    else:
+        assert s.unsure > 0 and s.drafted > 0, "no position on either side of the threshold: the test proves nothing"
+
+
+def test_the_mtp_head_drafts_its_first_token_among_the_legal_ones(tmp_path):
+    """Under a grammar the head's first draft token is chosen among the tokens the grammar allows there, so
+    no draft is cut at its first position (a random head's unmasked first drafts nearly all leave the grammar);
+    the output is unchanged."""
+    model, drafter = make("mtp", tmp_path)
+    grammar = gu.schema_grammar()
+    seen = []
+    original = drafter.propose
+
+    def spy(k, sampling, key, first_allowed=None):
+        d = original(k, sampling, key, first_allowed=first_allowed)
+        seen.append((d.tokens.tolist()[0], first_allowed))
+        return d
+
+    drafter.propose = spy
+    engine = Engine(model, drafter)
+    engine.confident = 0.0
+    out, _ = generate(engine, grammar, 1)
+    assert out == gu.reference(model, gu.PROMPT, grammar, N)
+    assert seen and all(allowed is not None for _, allowed in seen)
+    assert all(bool(allowed[t]) for t, allowed in seen), "a first draft token the grammar forbids"
+    assert engine.stats.cut == 0 and engine.stats.drafted == len(seen)
+
+
+def test_within_keeps_the_logits_when_no_allowed_token_is_scored():
+    """A reduced draft vocabulary can score none of the allowed tokens (-inf everywhere after the mask): the
+    head's logits are kept as they were (its draft is then cut by the grammar), never a row of -inf."""
+    from mlx_engine.drafters.mtp.drafter import within
+
+    logits = mx.array([[0.5, -mx.inf, 2.0, -mx.inf]])
+    assert within(logits, mx.array([True, False, False, False, False])).tolist() == [[0.5, -mx.inf, -mx.inf, -mx.inf]]
+    assert within(logits, mx.array([False, True, False, True])).tolist() == logits.tolist()

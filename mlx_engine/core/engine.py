@@ -30,6 +30,7 @@ from ..drafters.base import Draft, Drafter, HiddenRequest, Verdict, hidden_reque
 from ..grammar import Grammar, apply_bitmask
 from ..grammar.drafter import GRAMMAR, GrammarDrafter
 from . import invariance_default, members
+from .confidence import CONFIDENT, confident_prefix
 from .context import check_request
 from .held_cache import HeldCache
 from .memory import MemoryBudget
@@ -132,6 +133,7 @@ class Engine:
         # the fused acceptance kernel when a GPU backend is selected; on CPU verify.py's reference
         self._fused_accept = kernels.get("acceptance") if kernels.backend("acceptance") != "reference" else None
         self.stats = SpecStats()
+        self.confident = CONFIDENT  # under a grammar: draft positions verified up to the first less sure (0: all)
         tree = prefix_tree or (PrefixCache(prefix_cache_bytes, with_hidden=hidden_request(drafter) is not None)
                                if prefix_cache_bytes > 0 else None)
         self.held = HeldCache(self.target, tree)  # the target cache and exactly the tokens it holds
@@ -291,14 +293,16 @@ class Engine:
             self._rows = None
             if self.trees.wanted(member, sampling):  # a token tree: one pass, the kept path compacted
                 k, verdict, drafted, waited = self.trees.cycle(k, sampling, dkey, want_hidden, profile, policy)
+                asked = k
                 stats.cut += self.trees.cut
             else:
                 draft = self._propose(k, sampling, dkey, profile)
-                proposed = draft.tokens.shape[0]
+                asked = proposed = draft.tokens.shape[0]
+                unsure = stats.unsure
                 if matcher is not None:  # cut at the first token the grammar forbids, before it is verified
                     draft = self._legal(draft)
                 k = draft.tokens.shape[0]
-                stats.cut += proposed - k
+                stats.cut = stats.cut + proposed - k - (stats.unsure - unsure)
                 ckpt, logits, hidden = self._verify(draft, want_hidden, profile)
                 masks = self._draft_masks(draft, logits) if matcher is not None else None
                 verdict, drafted, waited = self._accept(logits, draft, sampling, profile, masks)
@@ -312,7 +316,9 @@ class Engine:
             stats.time_host += time.perf_counter() - t_cycle - waited  # all but the wait for the device
             stats.decode_time = time.perf_counter() - t_decode
             stats.peak_memory = mx.get_peak_memory()
-            policy.observe(k, n, time.perf_counter() - t_cycle)
+            # the policy's own length: positions cut before the pass count as drafts not accepted (its k is a
+            # most, and what a cycle at that most brings is what it learns)
+            policy.observe(asked, n, time.perf_counter() - t_cycle)
             yield Step(emitted, drafted, n, self._logprobs(emitted))
             if stopped:
                 return
@@ -390,15 +396,27 @@ class Engine:
         return ckpt, logits, hidden
 
     def _legal(self, draft: Draft) -> Draft:
-        """The draft cut at its first token the grammar forbids. A drafter that drafts on the device has its
-        tokens read first: under a grammar a cycle reads the host twice (the drafts, then the verdict)."""
-        tokens = draft.host_tokens if draft.host_tokens is not None else host.read(draft.tokens)
-        n = self._matcher.legal(tokens)
+        """The draft cut at its first token the grammar forbids, or before its first position the drafter was
+        unsure of (core/confidence.py), whichever comes first. A drafter that drafts on the device has its
+        tokens (and confidences) read first: under a grammar a cycle reads the host twice (the drafts, then
+        the verdict)."""
+        tokens, sure = draft.host_tokens, None
+        if draft.confidence is not None:
+            if tokens is None:
+                tokens, confidence = host.read_all(draft.tokens, draft.confidence)
+            else:
+                confidence = host.read(draft.confidence)
+            sure = confident_prefix(confidence, self.confident)
+        elif tokens is None:
+            tokens = host.read(draft.tokens)
+        n = self._matcher.legal(tokens[:sure])
         if n == len(tokens):
             return Draft(draft.tokens, draft.probs, list(tokens))
         probs = draft.probs
+        cut = probs is not None and n < len(tokens[:sure])  # the grammar's cut: the forbidden token's q
+        self.stats.unsure += len(tokens) - len(tokens[:sure])
         return Draft(draft.tokens[:n], probs[:n] if probs is not None else None, list(tokens[:n]),
-                     cut_probs=probs[n : n + 1] if probs is not None else None)
+                     cut_probs=probs[n : n + 1] if cut else None)
 
     def _draft_masks(self, draft: Draft, logits: mx.array):
         """The grammar's mask of every verified row, built on the host while the device runs the verify pass;

@@ -29,6 +29,7 @@ class SpecStats:
     forced: int = 0
     forced_accepted: int = 0
     cut: int = 0
+    unsure: int = 0  # drafted tokens not verified for the drafter's low confidence (core/confidence.py)
     grammar_seconds: float = 0.0  # host time the grammar took (masks, cuts, forced runs)
 
     def record_cycle(self, n_drafted: int, n_accepted: int, n_emitted: int, forced: bool = False) -> None:

@@ -23,6 +23,10 @@ class Draft:
     # a draft cut before a token a grammar forbids: the probabilities that token was drafted from ([1, V]),
     # so the acceptance rule rejects it as the uncut draft would have (core/verify.py accept_sampled)
     cut_probs: mx.array | None = None
+    # [k] the largest probability of the distribution each drafted token was chosen from (set by drafters
+    # that know it): under a grammar, where the host reads the draft anyway, the engine verifies only the
+    # positions before the first one below its threshold (core/confidence.py)
+    confidence: mx.array | None = None
 
 
 @dataclass(frozen=True)

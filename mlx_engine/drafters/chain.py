@@ -67,7 +67,12 @@ class ChainDrafter:
         "ngram:long" by its length; "suffix" / "suffix:long"), else the model drafter."""
         return self.ngram.next_member() or self.model.name
 
-    def propose(self, k: int, sampling: SamplingConfig, key: mx.array) -> Draft:
+    @property
+    def takes_first_allowed(self) -> bool:
+        """Whether the model member takes a grammar's first-position mask (the lookup member's drafts are cut)."""
+        return bool(getattr(self.model, "takes_first_allowed", False))
+
+    def propose(self, k: int, sampling: SamplingConfig, key: mx.array, first_allowed: mx.array | None = None) -> Draft:
         member = self.ngram.next_member()
         found = self.ngram.lookup(k)
         if found:
@@ -76,6 +81,8 @@ class ChainDrafter:
             return Draft(mx.array(found, dtype=mx.int32), None, host_tokens=found)
         self.last = self.model.name
         self.cycles[self.model.name] += 1
+        if first_allowed is not None:
+            return self.model.propose(k, sampling, key, first_allowed=first_allowed)
         return self.model.propose(k, sampling, key)
 
     def drafts_tree(self, member: str | None = None) -> bool:

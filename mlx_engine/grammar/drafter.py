@@ -17,6 +17,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from ..drafters.base import Draft, Verdict
+from .masks import allowed_tokens
 
 GRAMMAR = "grammar"
 MAX_FORCED = 16  # the longest forced draft of one cycle (a long const string is drafted over several)
@@ -89,6 +90,8 @@ class GrammarDrafter:
         if run:
             run = run[:k]
             return Draft(mx.array(run, dtype=mx.int32), None, host_tokens=list(run))
+        if getattr(self.inner, "takes_first_allowed", False):  # its first token chosen among the legal ones
+            return self.inner.propose(k, sampling, key, first_allowed=allowed_tokens(self.matcher.mask()))
         return self.inner.propose(k, sampling, key)
 
     def drafts_tree(self, member: str | None = None) -> bool:

@@ -14,6 +14,12 @@ import mlx.core as mx
 import numpy as np
 
 
+def allowed_tokens(bits: np.ndarray | mx.array) -> mx.array:
+    """[V'] bool (V' = 32 W) from one mask row `bits` [1, W]: token v allowed iff bit v is set."""
+    words = mx.array(bits, dtype=mx.int32) if not isinstance(bits, mx.array) else bits
+    return (((words.reshape(-1, 1) >> mx.arange(32, dtype=mx.int32)) & 1) == 1).reshape(-1)
+
+
 def apply_bitmask(logits: mx.array, bits: np.ndarray | mx.array) -> mx.array:
     """logits [n, V] with the tokens `bits` [n, W] forbids at -inf (float32 out)."""
     n, vocab = logits.shape

@@ -31,6 +31,13 @@ from ..base import Draft, Verdict
 from ..vocab_subset import SubsetOutput
 
 
+def within(logits: mx.array, allowed: mx.array) -> mx.array:
+    """logits [1, V] with the tokens outside `allowed` [V] at -inf, unless that leaves none finite (a reduced
+    draft vocabulary may score none of the allowed tokens): then as they were (the draft is cut later)."""
+    masked = mx.where(allowed[: logits.shape[-1]], logits, mx.array(-mx.inf, logits.dtype))
+    return mx.where(mx.any(masked > -mx.inf), masked, logits)
+
+
 class MTPLayer(nn.Module):
     """One head: x = eh_proj(cat[enorm(e), hnorm(h)]) -> block -> norm -> h' (lm_head outside).
 
@@ -220,7 +227,11 @@ class MTPDrafter:
         self._out = None
         self._ckpt = None
 
-    def propose(self, k: int, sampling: SamplingConfig, key: mx.array) -> Draft:
+    takes_first_allowed = True  # propose(first_allowed=): a grammar's mask of the first draft position
+
+    def propose(self, k: int, sampling: SamplingConfig, key: mx.array, first_allowed: mx.array | None = None) -> Draft:
+        """`first_allowed` [V] bool: the tokens a grammar allows at the first draft position; the first token is
+        chosen among them (from the head's distribution restricted to them) when the subset scores any."""
         self._feed_pending()
         h = self._out
         self._k = k
@@ -231,20 +242,23 @@ class MTPDrafter:
         self._ckpt = [cache_ops.checkpoint([c], n) for c, n in zip(self.cache, n_chain)]
         keys = mx.random.split(key, k)
         window = mx.array(self.history[-sampling.repetition_context :]) if sampling.penalized else None
-        tokens, probs = [], []
+        tokens, probs, confidence = [], [], []
         for i in range(k):
             li = i % self.num_layers
             logits = self._logits(li, h, tokens)
+            if i == 0 and first_allowed is not None:
+                logits = within(logits, first_allowed)
             context = mx.concatenate([window, *tokens]) if window is not None else None
             tok, p = choose(logits, context, sampling, keys[i])
             tok = tok.astype(mx.int32)
             tokens.append(tok)
             probs.append(p)
+            confidence.append(mx.max(p if p is not None else mx.softmax(logits.astype(mx.float32), axis=-1), axis=-1))
             if i + 1 < k:
                 h = self._run((i + 1) % self.num_layers, tok, h)
         draft_tokens = mx.concatenate(tokens)
         draft_probs = None if sampling.greedy else mx.concatenate(probs)
-        return Draft(draft_tokens, draft_probs)
+        return Draft(draft_tokens, draft_probs, confidence=mx.concatenate(confidence))
 
     def commit(self, verdict: Verdict, hidden: mx.array | None) -> None:
         n, k = verdict.n_accepted, verdict.n_drafted
