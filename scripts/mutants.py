@@ -354,6 +354,17 @@ MUTANTS = [
            "            if i == 1 and first_allowed is not None:\n",
            ("tests/test_grammar_engine.py", "-k", "first_token_among"),
            "the grammar's mask applied to the head's second draft position instead of its first"),
+    Mutant("free-text-may-open-a-call", "mlx_engine/toolcalls/grammars.py",
+           '                f"FREE: /(?s:.+)/ & ~/(?s:.*){m}(?s:.*)/\\n"  # text without the opener\n',
+           '                f"FREE: /(?s:.+)/\\n"  # text without the opener\n',
+           ("tests/test_toolcalls.py", "-k", "optional"),
+           "tool_choice auto's free text allowed to hold the call opener: a call written there is never held to "
+           "its schema"),
+    Mutant("auto-holds-loose-tools", "mlx_engine/serve/turn.py",
+           '        return self.tool_choice == "auto" and any(t.get("function", t).get("strict") is True for t in self.tools)\n',
+           '        return self.tool_choice == "auto" and bool(self.tools)\n',
+           ("tests/test_toolcalls.py", "-k", "strict_tool"),
+           "tool_choice auto constrained for tools no one marked strict (every agent request pays the grammar)"),
 ]
 
 

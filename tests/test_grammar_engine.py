@@ -293,3 +293,21 @@ def test_within_keeps_the_logits_when_no_allowed_token_is_scored():
     logits = mx.array([[0.5, -mx.inf, 2.0, -mx.inf]])
     assert within(logits, mx.array([True, False, False, False, False])).tolist() == [[0.5, -mx.inf, -mx.inf, -mx.inf]]
     assert within(logits, mx.array([False, True, False, True])).tolist() == logits.tolist()
+
+
+def test_an_optional_call_grammar_under_speculation():
+    """tool_choice auto with a strict tool (toolcalls/grammars.py optional_calls): free text, then a call held
+    to its schema. A noisy copy of the target drafts (accepted in part) against its masks: the output is plain
+    constrained greedy, token for token."""
+    from mlx_engine.toolcalls.formats import GENERIC
+    from mlx_engine.toolcalls.grammars import optional_calls, strict_view
+
+    tool = {"type": "function", "function": {"name": "add", "strict": True, "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}}}
+    grammar = optional_calls(GENERIC, strict_view([tool]), gu.llg_tokenizer())
+    model = gu.target()
+    ref = gu.reference(model, gu.PROMPT, grammar, 40)
+    engine = Engine(model, DraftModelDrafter(noisy(), V))
+    out, _ = generate(engine, grammar, 3, n=40)
+    assert out == ref
+    assert 0 < engine.stats.accepted < engine.stats.drafted

@@ -190,6 +190,8 @@ def test_tool_translation():
         assert anthropic_api.tool_choice(given, turn.tools) == (want, True)
     assert anthropic_api.tool_choice(None, []) == ("none", True)
     assert anthropic_api.template_kwargs({"type": "disabled"}) == {"enable_thinking": False}
+    strict = anthropic_api.function_tools([{**WEATHER, "strict": True}, TIME])  # strict tool use, kept for auto
+    assert strict[0]["function"]["strict"] is True and "strict" not in strict[1]["function"]
 
 
 def test_count_tokens_is_the_prompt_the_engine_sees(server, client):

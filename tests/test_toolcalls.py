@@ -175,3 +175,113 @@ def test_a_forced_call_s_grammar_writes_the_family_s_format(fmt):
     assert m.complete
     calls = split(fmt, gu.decode(out), [])[2]
     assert len(calls) == 1 and calls[0][0] == "add" and set(json.loads(calls[0][1])) == {"a", "b"}
+
+
+# -- tool_choice auto with strict tools: free text, and any call held to its tool's schema --------------------
+
+SMALL = {"type": "function", "function": {"name": "add", "strict": True, "parameters": {
+    "type": "object", "properties": {"b": {"type": "integer", "minimum": 0, "maximum": 9},
+                                     "a": {"type": "integer", "minimum": 0, "maximum": 9}},
+    "required": ["b", "a"], "additionalProperties": False}}}
+
+
+def _walk(m, rng, limit=400) -> list[int]:
+    """Random legal tokens (forced runs taken whole) until the grammar is complete."""
+    import numpy as np
+
+    out = []
+    while not m.complete and len(out) < limit:
+        forced = m.forced()
+        if forced:
+            m.consume(forced)
+            out += forced
+            continue
+        bits = np.unpackbits(m.mask()[0].view(np.uint8), bitorder="little")[: gu.VOCAB]
+        allowed = [t for t in np.flatnonzero(bits) if t not in m.eos]
+        out.append(int(rng.choice(allowed)))
+        m.consume(out[-1:])
+    return out
+
+
+def _ends_here(m) -> bool:
+    import numpy as np
+
+    bits = np.unpackbits(m.mask()[0].view(np.uint8), bitorder="little")
+    return bool(bits[gu.eos()])
+
+
+@pytest.mark.parametrize("fmt", [JSON, GENERIC, DEEPSEEK], ids=lambda f: f.name)
+def test_an_optional_call_s_grammar_takes_free_text_then_calls_held_to_the_schema(fmt):
+    import numpy as np
+    from mlx_engine.grammar import GrammarViolation
+    from mlx_engine.toolcalls.grammars import optional_calls, strict_view
+
+    g = optional_calls(fmt, strict_view([SMALL]), gu.llg_tokenizer(), parallel=False)
+    m = g.matcher()
+    m.consume(gu.encode("The quick brown fox jumps over the lazy dog."))  # free text, and the answer may end
+    assert _ends_here(m)
+    for seed in range(3):  # text, the opener, then whatever the grammar allows: a call of add, in the format
+        m = g.matcher()
+        head = gu.encode("Hello, world! " + fmt.start)
+        m.consume(head)
+        assert not _ends_here(m)  # an opened call must be finished
+        out = head + _walk(m, np.random.default_rng(seed))
+        assert m.complete
+        _, content, calls, _ = split(fmt, gu.decode(out), [], tools=[SMALL])
+        assert content.strip() == "Hello, world!" and len(calls) == 1 and calls[0][0] == "add"
+        assert set(json.loads(calls[0][1])) == {"a", "b"} and all(0 <= v <= 9 for v in json.loads(calls[0][1]).values())
+    m = g.matcher()  # a call whose arguments break the strict tool's schema is refused
+    with pytest.raises(GrammarViolation):
+        m.consume(gu.encode(fmt.start + ('\n{"name": "add", "arguments": {"b": "x"' if fmt is not DEEPSEEK else
+                                         "<｜tool▁call▁begin｜>function<｜tool▁sep｜>add\n```json\n{\"b\": \"x\"")))
+
+
+def test_a_tool_not_marked_strict_takes_any_object_under_auto():
+    from mlx_engine.grammar import GrammarViolation
+    from mlx_engine.toolcalls.grammars import optional_calls, strict_view
+
+    g = optional_calls(GENERIC, strict_view([SMALL, WEATHER]), gu.llg_tokenizer())
+    m = g.matcher()
+    m.consume(gu.encode('<tool_call>\n{"name": "get_weather", "arguments": {"anything": [1, 2]}}\n</tool_call>'))
+    assert _ends_here(m)  # get_weather's own schema is not held (not strict); its name is
+    m = g.matcher()
+    with pytest.raises(GrammarViolation):
+        m.consume(gu.encode('<tool_call>\n{"name": "get_time"'))
+
+
+def test_an_opener_that_is_one_special_token_is_named_by_the_grammar():
+    """Qwen's `<tool_call>` is one special token: free text cannot write it, the call starts with it."""
+    import numpy as np
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from mlx_engine.grammar import grammar_tokenizer
+    from mlx_engine.toolcalls.grammars import optional_calls, strict_view
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=gu.VOCAB, special_tokens=gu.SPECIALS + ["<tool_call>", "</tool_call>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(gu._corpus(), trainer)
+    eos, opener = tok.token_to_id("<|im_end|>"), tok.token_to_id("<tool_call>")
+    g = optional_calls(JSON, strict_view([SMALL]), grammar_tokenizer(tok, gu.VOCAB, [eos]), parallel=False)
+    m = g.matcher()
+    m.consume(tok.encode("Sure.").ids)
+    bits = np.unpackbits(m.mask()[0].view(np.uint8), bitorder="little")
+    assert bits[opener] and bits[eos]  # the call may start here, or the answer end
+    m.consume([opener])
+    assert tok.decode(m.forced(), skip_special_tokens=False).startswith('\n{"name": "add"')
+
+
+def test_auto_holds_calls_to_the_grammar_only_with_a_strict_tool():
+    from mlx_engine.serve.turn import Turn, prepare
+
+    tok = _tokenizer(JSON_TEMPLATE)
+    messages = [{"role": "user", "content": "2 + 1?"}]
+    loose = {"type": "function", "function": {k: v for k, v in SMALL["function"].items() if k != "strict"}}
+    assert prepare(Turn("m", messages=messages, tools=[loose]), tok, gu.VOCAB).grammar is None
+    strict = prepare(Turn("m", messages=messages, tools=[SMALL, WEATHER]), tok, gu.VOCAB).grammar
+    assert strict is not None
+    m = strict.matcher()
+    m.consume(gu.encode("Let me add.\n"))  # free text before a call
+    assert prepare(Turn("m", messages=messages, tools=[SMALL], tool_choice="none"), tok, gu.VOCAB).grammar is None

@@ -191,6 +191,8 @@ def function_tools(tools: list[dict]) -> list[dict]:
         fn = {"name": t["name"], "parameters": t["input_schema"]}
         if isinstance(t.get("description"), str):
             fn["description"] = t["description"]
+        if t.get("strict") is True:  # strict tool use: the call held to input_schema, also under auto
+            fn["strict"] = True
         out.append({"type": "function", "function": fn})
     return out
 

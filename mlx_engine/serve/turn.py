@@ -14,7 +14,7 @@ from ..grammar.requests import from_response_format
 from ..sampling import SamplingConfig
 from ..toolcalls import detect, template_input
 from ..toolcalls.formats import DS_CALL_BEGIN, DS_CALL_END, DS_SEP, PYTHON_TAG, ToolFormat
-from ..toolcalls.grammars import forced_call
+from ..toolcalls.grammars import forced_call, optional_calls, strict_view
 from .errors import APIError
 
 
@@ -40,6 +40,11 @@ class Turn:
     def offered(self) -> list[dict]:
         """The tools the model is shown (none under tool_choice "none")."""
         return [] if self.tool_choice == "none" else self.tools
+
+    @property
+    def strict_auto(self) -> bool:
+        """tool_choice auto with a tool marked `strict`: the answer's calls are held to the grammar."""
+        return self.tool_choice == "auto" and any(t.get("function", t).get("strict") is True for t in self.tools)
 
     @property
     def forced_tools(self) -> list[dict] | None:
@@ -127,9 +132,13 @@ def prepare(turn: Turn, tokenizer, vocab_size: int) -> Prepared:
     reasoning = _opens_reasoning(tokenizer, prompt, think)
     grammar = _format_grammar(turn, tokenizer, vocab_size)
     forced = turn.forced_tools
-    if forced is not None and grammar is None:
+    if grammar is None and (forced is not None or turn.strict_auto):
         try:
-            grammar = forced_call(fmt, forced, _llg(tokenizer, vocab_size), turn.parallel_tool_calls)
+            if forced is not None:
+                grammar = forced_call(fmt, forced, _llg(tokenizer, vocab_size), turn.parallel_tool_calls)
+            else:  # tool_choice auto with strict tools: free text, and any call held to its schema
+                grammar = optional_calls(fmt, strict_view(turn.tools), _llg(tokenizer, vocab_size),
+                                         turn.parallel_tool_calls)
         except (GrammarError, ValueError) as e:
             raise APIError(400, f"tools: {e}", param="tools") from None
     if grammar is not None and think is not None:  # a reasoning model: the grammar starts after its reasoning

@@ -1,6 +1,18 @@
-"""A forced tool call (tool_choice "required" or a named function) as a grammar in the model's own format:
-the whole call is held to the tool's schema. Formats whose calls are not JSON (mlx-lm's XML-like and
-pythonic ones) have none: their calls are parsed, not constrained (README says which)."""
+"""Tool calls as grammars in the model's own format, each call held to its tool's schema.
+
+- `forced_call`: tool_choice "required" or a named function: the answer is the call(s) and nothing else.
+- `optional_calls`: tool_choice "auto" with strict tools: free text, then, if the model opens a call, the
+  call(s) to the end of the answer. Free text may be anything but the text that opens a call; once the
+  model writes it, what follows is a call of one of the tools, its arguments held to the schema of a
+  strict tool (a tool not marked strict: any JSON object). Where the tokenizer holds the opener as one
+  special token (Qwen's `<tool_call>`), free text cannot write it and the grammar names that token; where
+  the opener is text, it is one lexeme with the free text before it (`OPENING`: text ending at the first
+  opener), so the lexer never has to decide between "more free text" and "the opener starts here".
+
+Formats whose calls are not JSON (mlx-lm's XML-like and pythonic ones) have none: their calls are parsed,
+not constrained (README says which); Llama 3's calls have no opener (the answer is the call's JSON), so
+tool_choice auto is not constrained there.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +20,7 @@ import json
 
 import llguidance
 
-from ..grammar.requests import _literal, tool_call_schema, tool_calls
+from ..grammar.requests import CALL_CLOSE, CALL_OPEN, _literal, tool_call_schema
 from ..grammar.spec import JSON_OPTIONS, Grammar, GrammarError, _checked
 from .formats import DEEPSEEK, DS_CALL_BEGIN, DS_CALL_END, DS_CALLS_BEGIN, DS_CALLS_END, DS_SEP, GENERIC, JSON, LLAMA3
 
@@ -18,20 +30,18 @@ def _one_of(schemas: list[dict]) -> str:
     return json.dumps({**schema, "x-guidance": JSON_OPTIONS})
 
 
-def forced_call(fmt, tools: list[dict], tokenizer: llguidance.LLTokenizer, parallel: bool = True) -> Grammar | None:
-    """The grammar of a call of one of `tools` in `fmt` (None: this format has none)."""
+def _names(tools: list[dict]) -> str:
+    return ", ".join(repr(t.get("function", t).get("name")) for t in tools)
+
+
+def _calls(fmt, tools: list[dict], tokenizer: llguidance.LLTokenizer, parallel: bool) -> tuple[str, str] | None:
+    """(the text that opens the calls, Lark rules whose `rest` is everything after it to the end of the
+    calls), or None for a format without an opener."""
     if fmt in (JSON, GENERIC) or fmt.name in ("json", "generic"):
-        return tool_calls(tools, tokenizer, parallel)
-    if not tools:
-        raise GrammarError("tool_choice forces a call but no tools are given")
-    names = ", ".join(repr(t.get("function", t).get("name")) for t in tools)
-    if fmt is LLAMA3:
-        schemas = [{"type": "object", "properties": {"name": {"const": s["properties"]["name"]["const"]},
-                                                     "parameters": s["properties"]["arguments"]},
-                    "required": ["name", "parameters"], "additionalProperties": False}
-                   for s in map(tool_call_schema, tools)]
-        lark = f"start: %json {_one_of(schemas)}\n"
-    elif fmt is DEEPSEEK:  # V3's form: function<sep>NAME\n```json\n{args}\n```
+        one = f'"\\n" %json {_one_of([tool_call_schema(t) for t in tools])} "\\n" {_literal(CALL_CLOSE, tokenizer)}'
+        more = f' ("\\n" {_literal(CALL_OPEN, tokenizer)} {one})*' if parallel else ""
+        return CALL_OPEN, f"rest: {one}{more}\n"
+    if fmt is DEEPSEEK:  # V3's form: function<sep>NAME\n```json\n{args}\n```
         alts = []
         for t in tools:
             s = tool_call_schema(t)
@@ -40,14 +50,72 @@ def forced_call(fmt, tools: list[dict], tokenizer: llguidance.LLTokenizer, paral
             alts.append(f'{_literal(DS_CALL_BEGIN, tokenizer)} "function" {_literal(DS_SEP, tokenizer)} '
                         f'{json.dumps(name + chr(10) + "```json" + chr(10))} %json {args} '
                         f'"\\n```" {_literal(DS_CALL_END, tokenizer)}')
-        call = " | ".join(f"({a})" for a in alts)
         many = "call+" if parallel else "call"
-        lark = (f"start: {_literal(DS_CALLS_BEGIN, tokenizer)} {many} {_literal(DS_CALLS_END, tokenizer)}\n"
-                f"call: {call}\n")
-    else:
-        return None
+        call = " | ".join(f"({a})" for a in alts)
+        return DS_CALLS_BEGIN, f"rest: {many} {_literal(DS_CALLS_END, tokenizer)}\ncall: {call}\n"
+    return None
+
+
+def _compiled(lark: str, tokenizer: llguidance.LLTokenizer, tools: list[dict]) -> Grammar:
+    names = _names(tools)
     try:
         source = llguidance.LLMatcher.grammar_from_lark(lark)
     except ValueError as e:
         raise GrammarError(f"the tool call of {names} cannot be compiled: {e}") from None
     return _checked(source, tokenizer, f"a call of {names}")
+
+
+def forced_call(fmt, tools: list[dict], tokenizer: llguidance.LLTokenizer, parallel: bool = True) -> Grammar | None:
+    """The grammar of a call of one of `tools` in `fmt` and nothing else (None: this format has none)."""
+    if not tools:
+        raise GrammarError("tool_choice forces a call but no tools are given")
+    if fmt is LLAMA3:
+        schemas = [{"type": "object", "properties": {"name": {"const": s["properties"]["name"]["const"]},
+                                                     "parameters": s["properties"]["arguments"]},
+                    "required": ["name", "parameters"], "additionalProperties": False}
+                   for s in map(tool_call_schema, tools)]
+        return _compiled(f"start: %json {_one_of(schemas)}\n", tokenizer, tools)
+    spec = _calls(fmt, tools, tokenizer, parallel)
+    if spec is None:
+        return None
+    opener, rules = spec
+    return _compiled(f"start: {_literal(opener, tokenizer)} rest\n{rules}", tokenizer, tools)
+
+
+def optional_calls(fmt, tools: list[dict], tokenizer: llguidance.LLTokenizer, parallel: bool = True) -> Grammar | None:
+    """The grammar of an answer that may call one of `tools` (tool_choice "auto"): free text, then optionally
+    the call(s) in `fmt`, each held to its tool's schema (`strict_view` first for tools not marked strict).
+    None: this format has no opener to start the calls at."""
+    if not tools:
+        return None
+    spec = _calls(fmt, tools, tokenizer, parallel)
+    if spec is None:
+        return None
+    opener, rules = spec
+    item = _literal(opener, tokenizer)
+    if item.startswith("<["):  # one special token: free text cannot write it
+        head = f"start: TEXT | TEXT? {item} rest\nTEXT: /(?s:.+)/\n"
+    else:
+        m = _regex_text(opener)
+        head = (f"start: FREE | OPENING rest\n"
+                f"FREE: /(?s:.+)/ & ~/(?s:.*){m}(?s:.*)/\n"  # text without the opener
+                f"OPENING: /(?s:.*){m}/ & ~/(?s:.*){m}(?s:.+)/\n")  # text ending at its first opener
+    return _compiled(head + rules, tokenizer, tools)
+
+
+def strict_view(tools: list[dict]) -> list[dict]:
+    """`tools` as optional_calls holds them: a tool marked strict keeps its parameters' schema, any other
+    takes any JSON object as its arguments (its name is still one of the tools')."""
+    out = []
+    for t in tools:
+        fn = t.get("function", t)
+        if fn.get("strict") is True:
+            out.append(t)
+        else:
+            out.append({"type": "function", "function": {"name": fn.get("name"), "parameters": {"type": "object"}}})
+    return out
+
+
+def _regex_text(text: str) -> str:
+    """`text` as a literal inside a Lark regex (Rust regex syntax, between slashes)."""
+    return "".join("\\" + c if c in "\\.+*?()|[]{}^$#&-~/" else c for c in text)
