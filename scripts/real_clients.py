@@ -44,6 +44,15 @@ args = json.loads(call.function.arguments)
 jsonschema.validate(args, tools[0]["function"]["parameters"])
 print(f"openai tool_choice required: {call.function.name}({args}), finish={r.choices[0].finish_reason}, {time.time()-t:.1f} s")
 
+t = time.time()  # tool_choice auto with a strict tool: free text, or a call held to the schema
+r = oa.chat.completions.create(model="default", messages=[{"role": "user", "content": "What's the weather in Porto in celsius?"}],
+                               tools=tools, tool_choice="auto", max_tokens=100, temperature=0)
+msg = r.choices[0].message
+for call in msg.tool_calls or []:
+    jsonschema.validate(json.loads(call.function.arguments), tools[0]["function"]["parameters"])
+print(f"openai tool_choice auto (strict tool): calls {[(c.function.name, c.function.arguments) for c in msg.tool_calls or []]}, "
+      f"text {(msg.content or '')[:60]!r}, finish={r.choices[0].finish_reason}, {time.time()-t:.1f} s")
+
 t = time.time()
 m = an.messages.create(model="default", max_tokens=100, messages=[{"role": "user", "content": "Weather in Graz, fahrenheit?"}],
                        tools=[{"name": "get_weather", "description": "Current weather for a city",

@@ -93,3 +93,40 @@ def test_sampled_rows_never_leave_their_grammar(tmp_path):
                 g.matcher().consume([t for t in outs[j] if t != gu.eos()])  # raises on an illegal token
                 if outs[j][-1] == gu.eos():
                     jsonschema.validate(json.loads(gu.decode(outs[j])), schema)
+
+
+@pytest.mark.parametrize("kind", ["mtp-batched", "mtp-per-row"])
+@pytest.mark.parametrize("threshold", [0.0, 1.01])
+def test_unsure_positions_and_the_first_legal_token_in_the_batch(kind, threshold, tmp_path):
+    """The batch's constrained rows, as core/engine.py's: the MTP head's first draft token chosen among the
+    tokens the row's grammar allows, drafts verified up to the first position below the threshold (above 1:
+    none); the outputs are plain constrained greedy either way."""
+    model, drafter = make(kind, tmp_path)
+    grammars = [gu.schema_grammar(s) for s in gu.SCHEMAS]
+    refs = [gu.reference(model, p, g, N) for p, g in zip(gu.PROMPTS, grammars)]
+    engine = BatchEngine(model, drafter, num_draft=2, prefix_cache_bytes=0, batched_drafting=kind == "mtp-batched")
+    engine.confident = threshold
+    firsts = []  # (first draft token, the tokens allowed there) of the batched head's constrained rows
+    for j, (prompt, grammar) in enumerate(zip(gu.PROMPTS, grammars)):
+        engine.add(j, prompt, N, stop_tokens=frozenset([gu.eos()]), grammar=grammar)
+    if kind == "mtp-batched":
+        original = engine.batched.propose
+
+        def spy(k, samplings, keys, first_allowed=None):
+            drafts = original(k, samplings, keys, first_allowed=first_allowed)
+            if first_allowed is not None:
+                firsts.extend(zip([d.tokens.tolist()[0] for d in drafts], first_allowed))
+            return drafts
+
+        engine.batched.propose = spy
+    outs, stats = {j: [] for j in range(4)}, {}
+    while engine.running():
+        for o in engine.step():
+            outs[o.seq_id] += o.tokens
+            if o.finished:
+                stats[o.seq_id] = o.stats
+    assert [outs[j] for j in range(4)] == refs
+    drafted = sum(s["drafted"] for s in stats.values())
+    assert (drafted == 0) if threshold > 1 else (drafted > 0)
+    if kind == "mtp-batched":
+        assert firsts and all(bool(allowed[t]) for t, allowed in firsts), "a first draft token the grammar forbids"

@@ -43,6 +43,7 @@ from ..target_model.fixed_rows import make_invariant_batches
 from ..target_model import layer_span, sequence_attention
 from ..target_model.batch_sequences import idle_rows, real_widths
 from ..target_model.model import Target
+from .confidence import CONFIDENT
 from . import invariance_default
 from . import batch_grammar
 from . import drafter_prefix
@@ -103,6 +104,7 @@ class BatchEngine(BatchRows):
         # an MTP head drafts for all rows in one pass; any other drafter with a copy per row
         self.batched = BatchedMTP(drafter) if batched_drafting and batchable_mtp(drafter) else None
         self.num_draft = num_draft if drafter is not None else 0
+        self.confident = CONFIDENT  # constrained rows: model drafts verified up to the first less sure position
         self.policy = (BatchPolicy(min(max_draft, self.max_k), per_row_drafting=self.batched is None)
                        if self.num_draft == "auto" else FixedBatchPolicy(self.num_draft))
         self.max_batch = max_batch
@@ -245,7 +247,8 @@ class BatchEngine(BatchRows):
         t0 = time.perf_counter()
         drafts = self._drafts(k, ks, k + 1, decoding) if k > 0 else {}
         # the forced runs put in, other constrained rows' drafts cut at their first illegal token
-        on_host = batch_grammar.cut_drafts(self.seqs, decoding, ks, drafts, forced) if constrained else {}
+        on_host = batch_grammar.cut_drafts(self.seqs, decoding, ks, drafts, forced, self.confident) \
+            if constrained else {}
         widest = max(ks, default=0)  # the longest draft the pass verifies
         chunk, depth = 0, 0
         # while prompts are fed, every REMEASURE-th step decodes alone: the chunks' budget is a multiple of a
@@ -444,7 +447,12 @@ class BatchEngine(BatchRows):
         """Each decoding row's drafts, padded to the pass's width - 1 (rows that draw no key draft nothing)."""
         if self.batched is not None:  # one head pass per draft step drafts k for every adopted row
             keys = [s.next_key() if ks[self.seqs.index(s)] else mx.random.key(0) for s in self.adopted]
-            proposed = self.batched.propose(k, [s.sampling for s in self.adopted], keys)
+            # a constrained row's first draft token chosen among the tokens its grammar allows there
+            allowed = batch_grammar.first_allowed([s if s.matcher is not None and ks[self.seqs.index(s)] else None
+                                                   for s in self.adopted])
+            samplings = [s.sampling for s in self.adopted]
+            proposed = self.batched.propose(k, samplings, keys) if allowed is None else \
+                self.batched.propose(k, samplings, keys, first_allowed=allowed)
             by_seq = {id(s): d for s, d in zip(self.adopted, proposed)}
             return {i: padded(by_seq.get(id(self.seqs[i])) if ks[i] else None, width - 1, self.seqs[i].last)
                     for i in decoding}

@@ -15,7 +15,9 @@ import mlx.core as mx
 
 from .. import host
 from ..drafters.base import Draft
+from ..grammar.masks import allowed_tokens
 from ..grammar.drafter import MAX_FORCED
+from .confidence import CONFIDENT, confident_prefix
 
 
 def forced_runs(seqs, decoding: list[int], ks: list[int], cap: int) -> dict[int, list[int]]:
@@ -33,9 +35,12 @@ def forced_runs(seqs, decoding: list[int], ks: list[int], cap: int) -> dict[int,
     return out
 
 
-def cut_drafts(seqs, decoding: list[int], ks: list[int], drafts: dict, forced: dict) -> dict[int, list[int]]:
+def cut_drafts(seqs, decoding: list[int], ks: list[int], drafts: dict, forced: dict,
+               threshold: float = CONFIDENT) -> dict[int, list[int]]:
     """Put the forced runs in as drafts and cut every other constrained row's draft at its first illegal
-    token (one host read for all of them). Updates `ks` and `drafts`; -> {row: its draft on the host}."""
+    token, or before its first position below `threshold` where the draft carries its confidence
+    (core/confidence.py), whichever comes first (one host read for all of them). Updates `ks` and `drafts`;
+    -> {row: its draft on the host}."""
     on_host = {}
     for i, run in forced.items():
         drafts[i] = Draft(mx.array(run, dtype=mx.int32), None, list(run))
@@ -44,15 +49,24 @@ def cut_drafts(seqs, decoding: list[int], ks: list[int], drafts: dict, forced: d
         on_host[i] = list(run)
     rows = [i for i in decoding if seqs[i].matcher is not None and i not in forced and ks[i] > 0]
     if rows:
-        flat = host.read(mx.concatenate([drafts[i].tokens[: ks[i]].astype(mx.int32) for i in rows]))
-        at = 0
+        sure_rows = [i for i in rows if drafts[i].confidence is not None]
+        tokens_flat = mx.concatenate([drafts[i].tokens[: ks[i]].astype(mx.int32) for i in rows])
+        if sure_rows:
+            flat, conf = host.read_all(tokens_flat, mx.concatenate(
+                [drafts[i].confidence[: ks[i]].astype(mx.float32) for i in sure_rows]))
+        else:
+            flat, conf = host.read(tokens_flat), []
+        at = c_at = 0
         for i in rows:
             tokens, at = flat[at : at + ks[i]], at + ks[i]
-            ks[i] = seqs[i].matcher.legal(tokens)
+            sure = None
+            if drafts[i].confidence is not None:
+                sure, c_at = confident_prefix(conf[c_at : c_at + ks[i]], threshold), c_at + ks[i]
+            ks[i] = seqs[i].matcher.legal(tokens[:sure])
             on_host[i] = tokens[: ks[i]]
             d = drafts[i]
             drafts[i] = first(d, ks[i])
-            if ks[i] < len(tokens) and d.probs is not None:  # the cut token's q (core/verify.py accept_sampled)
+            if ks[i] < len(tokens[:sure]) and d.probs is not None:  # the cut token's q (core/verify.py accept_sampled)
                 object.__setattr__(drafts[i], "cut_probs", d.probs[ks[i] : ks[i] + 1])
     for i in decoding:
         if seqs[i].matcher is not None and i not in on_host:
@@ -65,6 +79,17 @@ def first(d: Draft, n: int) -> Draft:
     out = Draft(d.tokens[:n], d.probs[:n] if d.probs is not None else None, cut_probs=d.cut_probs)
     object.__setattr__(out, "n_real", min(getattr(d, "n_real", n), n))
     return out
+
+
+def first_allowed(rows: list) -> mx.array | None:
+    """[len(rows), V'] bool for a batched head's first draft step: the tokens each row's grammar allows at its
+    first draft position (rows: a sequence whose grammar holds its draft, or None: every token); None when
+    no row has a grammar."""
+    masks = [allowed_tokens(s.matcher.mask()) if s is not None else None for s in rows]
+    if all(m is None for m in masks):
+        return None
+    width = next(m.shape[0] for m in masks if m is not None)
+    return mx.stack([m if m is not None else mx.ones((width,), mx.bool_) for m in masks])
 
 
 def masks(seqs, on_host: dict[int, list[int]]) -> dict:

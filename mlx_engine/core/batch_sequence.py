@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 
 from ..drafters.base import Draft
+from ..grammar.masks import allowed_tokens
 from ..sampling import SamplingConfig
 
 
@@ -66,7 +67,10 @@ class RunningSequence:
         """k drafts from the row's own drafter. One that found fewer (prompt lookup) is padded with copies of
         the last token: lossless, a padded draft is checked like any other (kept only where the target
         agrees); `n_real` says how many were drafted."""
-        d = self.drafter.propose(k, self.sampling, self.next_key())
+        if self.matcher is not None and getattr(self.drafter, "takes_first_allowed", False):  # its first token legal
+            d = self.drafter.propose(k, self.sampling, self.next_key(), first_allowed=allowed_tokens(self.matcher.mask()))
+        else:
+            d = self.drafter.propose(k, self.sampling, self.next_key())
         n = d.tokens.shape[0]
         if n == k:
             return d
@@ -114,6 +118,10 @@ def padded(d: Draft | None, k: int, last: int) -> Draft:
     tokens = mx.full((k - n,), last, dtype=mx.int32)
     if d is not None:
         tokens = mx.concatenate([d.tokens.astype(mx.int32), tokens])
-    out = Draft(tokens, d.probs if d is not None else None, cut_probs=d.cut_probs if d is not None else None)
+    sure = d.confidence if d is not None else None
+    if sure is not None:  # (the padding's confidence 0: never verified as a draft of its own anyway)
+        sure = mx.concatenate([sure.astype(mx.float32), mx.zeros((k - n,), mx.float32)])
+    out = Draft(tokens, d.probs if d is not None else None, cut_probs=d.cut_probs if d is not None else None,
+                confidence=sure)
     object.__setattr__(out, "n_real", min(getattr(d, "n_real", n), n) if d is not None else 0)
     return out

@@ -24,7 +24,7 @@ from ...sampling import SamplingConfig, choose
 from ...target_model.batch_cache import BatchKVCache, append_sequence
 from ...target_model.prefix_cache import shifted
 from ..base import Draft, Verdict
-from .drafter import MTPDrafter
+from .drafter import MTPDrafter, within
 
 
 def batchable_mtp(drafter) -> bool:
@@ -121,7 +121,10 @@ class BatchedMTP:
         """[B, H] -> [B, V] (the first layer's scorer, as MTPDrafter._logits for every step)."""
         return self.proto._logits(0, h, [])
 
-    def propose(self, k: int, samplings: list[SamplingConfig], keys: list[mx.array]) -> list[Draft]:
+    def propose(self, k: int, samplings: list[SamplingConfig], keys: list[mx.array],
+                first_allowed: mx.array | None = None) -> list[Draft]:
+        """`first_allowed` [B, V'] bool: the tokens each row's grammar allows at its first draft position (all
+        True for a row without one); each draft carries its confidence (MTPDrafter.propose)."""
         h = self._feed_pending()  # [B, H]
         self._chain = [0] * self.L
         for s in range(1, k):
@@ -129,15 +132,18 @@ class BatchedMTP:
         b = h.shape[0]
         rows_keys = [mx.random.split(key, k) for key in keys]
         all_greedy = all(s.greedy and not s.penalized for s in samplings)
-        tokens, probs = [], [[] for _ in range(b)]
+        tokens, probs, confidence = [], [[] for _ in range(b)], []
         for step in range(k):
             li = step % self.L
             layer = self.head.layers[li]
             logits = layer.head(h) if "head" in layer else self._logits(h)
+            if step == 0 and first_allowed is not None:
+                logits = within(logits, first_allowed)
             if all_greedy:
                 tok = mx.argmax(logits, axis=-1).astype(mx.int32)
+                confidence.append(mx.max(mx.softmax(logits.astype(mx.float32), axis=-1), axis=-1))
             else:
-                picked = []
+                picked, sure = [], []
                 for i, cfg in enumerate(samplings):
                     context = None
                     if cfg.penalized:
@@ -146,12 +152,16 @@ class BatchedMTP:
                     t, p = choose(logits[i : i + 1], context, cfg, rows_keys[i][step])
                     picked.append(t.astype(mx.int32))
                     probs[i].append(p)
+                    p = p if p is not None else mx.softmax(logits[i : i + 1].astype(mx.float32), axis=-1)
+                    sure.append(mx.max(p, axis=-1))
                 tok = mx.concatenate(picked)
+                confidence.append(mx.concatenate(sure))
             tokens.append(tok)
             if step + 1 < k:
                 h = self._layer((step + 1) % self.L, tok[:, None], h[:, None])[:, 0]
-        drafted = mx.stack(tokens, axis=1)  # [B, k]
-        return [Draft(drafted[i], None if samplings[i].greedy else mx.concatenate(probs[i])) for i in range(b)]
+        drafted, sure = mx.stack(tokens, axis=1), mx.stack(confidence, axis=1)  # [B, k] each
+        return [Draft(drafted[i], None if samplings[i].greedy else mx.concatenate(probs[i]), confidence=sure[i])
+                for i in range(b)]
 
     def commit(self, i: int, verdict: Verdict, hidden: mx.array) -> None:
         n, k = verdict.n_accepted, verdict.n_drafted

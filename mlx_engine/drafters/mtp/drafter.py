@@ -32,10 +32,11 @@ from ..vocab_subset import SubsetOutput
 
 
 def within(logits: mx.array, allowed: mx.array) -> mx.array:
-    """logits [1, V] with the tokens outside `allowed` [V] at -inf, unless that leaves none finite (a reduced
-    draft vocabulary may score none of the allowed tokens): then as they were (the draft is cut later)."""
-    masked = mx.where(allowed[: logits.shape[-1]], logits, mx.array(-mx.inf, logits.dtype))
-    return mx.where(mx.any(masked > -mx.inf), masked, logits)
+    """logits [B, V] with the tokens outside `allowed` ([V'] or [B, V'], V' >= V) at -inf, row by row, unless
+    that leaves a row none finite (a reduced draft vocabulary may score none of the allowed tokens): that row
+    as it was (its draft is cut later)."""
+    masked = mx.where(allowed[..., : logits.shape[-1]], logits, mx.array(-mx.inf, logits.dtype))
+    return mx.where(mx.any(masked > -mx.inf, axis=-1, keepdims=True), masked, logits)
 
 
 class MTPLayer(nn.Module):
