@@ -298,11 +298,12 @@ class Engine:
             else:
                 draft = self._propose(k, sampling, dkey, profile)
                 asked = proposed = draft.tokens.shape[0]
-                unsure = stats.unsure
+                unsure = 0
                 if matcher is not None:  # cut at the first token the grammar forbids, before it is verified
-                    draft = self._legal(draft)
+                    draft, unsure = self._legal(draft)
                 k = draft.tokens.shape[0]
-                stats.cut = stats.cut + proposed - k - (stats.unsure - unsure)
+                stats.unsure += unsure
+                stats.cut += proposed - k - unsure
                 ckpt, logits, hidden = self._verify(draft, want_hidden, profile)
                 masks = self._draft_masks(draft, logits) if matcher is not None else None
                 verdict, drafted, waited = self._accept(logits, draft, sampling, profile, masks)
@@ -395,11 +396,11 @@ class Engine:
             self.stats.time_verify += time.perf_counter() - t
         return ckpt, logits, hidden
 
-    def _legal(self, draft: Draft) -> Draft:
+    def _legal(self, draft: Draft) -> tuple[Draft, int]:
         """The draft cut at its first token the grammar forbids, or before its first position the drafter was
-        unsure of (core/confidence.py), whichever comes first. A drafter that drafts on the device has its
-        tokens (and confidences) read first: under a grammar a cycle reads the host twice (the drafts, then
-        the verdict)."""
+        unsure of (core/confidence.py), whichever comes first; -> (the draft, positions dropped as unsure). A
+        drafter that drafts on the device has its tokens (and confidences) read first: under a grammar a cycle
+        reads the host twice (the drafts, then the verdict)."""
         tokens, sure = draft.host_tokens, None
         if draft.confidence is not None:
             if tokens is None:
@@ -409,14 +410,14 @@ class Engine:
             sure = confident_prefix(confidence, self.confident)
         elif tokens is None:
             tokens = host.read(draft.tokens)
-        n = self._matcher.legal(tokens[:sure])
+        sure_tokens = tokens[:sure]
+        n = self._matcher.legal(sure_tokens)
         if n == len(tokens):
-            return Draft(draft.tokens, draft.probs, list(tokens))
+            return Draft(draft.tokens, draft.probs, list(tokens)), 0
         probs = draft.probs
-        cut = probs is not None and n < len(tokens[:sure])  # the grammar's cut: the forbidden token's q
-        self.stats.unsure += len(tokens) - len(tokens[:sure])
+        cut = probs is not None and n < len(sure_tokens)  # the grammar's cut: the forbidden token's q
         return Draft(draft.tokens[:n], probs[:n] if probs is not None else None, list(tokens[:n]),
-                     cut_probs=probs[n : n + 1] if cut else None)
+                     cut_probs=probs[n : n + 1] if cut else None), len(tokens) - len(sure_tokens)
 
     def _draft_masks(self, draft: Draft, logits: mx.array):
         """The grammar's mask of every verified row, built on the host while the device runs the verify pass;
