@@ -117,7 +117,9 @@ def _special_tokenizer():
     from tokenizers import AddedToken
     from transformers import PreTrainedTokenizerFast
 
-    tok = gu.tokenizer()
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_str(gu.tokenizer().to_str())  # a copy: the shared one stays as every other test knows it
     tok.add_special_tokens([AddedToken("<tool_call>", special=True), AddedToken("</tool_call>", special=True)])
     return TokenizerWrapper(PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>"))
 
