@@ -160,18 +160,8 @@ def test_a_forced_call_s_grammar_writes_the_family_s_format(fmt):
                                          "a": {"type": "integer", "minimum": 0, "maximum": 9}},
         "required": ["b", "a"], "additionalProperties": False}}}
     g = forced_call(fmt, [small], gu.llg_tokenizer(), parallel=False)
-    m, out = g.matcher(), []
-    rng = np.random.default_rng(1)
-    while not m.complete and len(out) < 400:
-        forced = m.forced()
-        if forced:
-            m.consume(forced)
-            out += forced
-            continue
-        bits = np.unpackbits(m.mask()[0].view(np.uint8), bitorder="little")[: gu.VOCAB]
-        allowed = [t for t in np.flatnonzero(bits) if t not in m.eos]
-        out.append(int(rng.choice(allowed)))
-        m.consume(out[-1:])
+    m = g.matcher()
+    out = _walk(m, np.random.default_rng(1))
     assert m.complete
     calls = split(fmt, gu.decode(out), [])[2]
     assert len(calls) == 1 and calls[0][0] == "add" and set(json.loads(calls[0][1])) == {"a", "b"}
