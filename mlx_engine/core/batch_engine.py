@@ -246,6 +246,7 @@ class BatchEngine(BatchRows):
         k = max(ks)  # what the model drafters draft this step
         t0 = time.perf_counter()
         drafts = self._drafts(k, ks, k + 1, decoding) if k > 0 else {}
+        asked = list(ks)  # each row's draft length before a grammar's cuts (what the policy learns from)
         # the forced runs put in, other constrained rows' drafts cut at their first illegal token
         on_host = batch_grammar.cut_drafts(self.seqs, decoding, ks, drafts, forced, self.confident) \
             if constrained else {}
@@ -435,7 +436,9 @@ class BatchEngine(BatchRows):
             if reason:
                 finished.append(i)
         # a step right after rows joined or left, or that fed prompt chunks, costs more than (b, k) alone
-        self.policy.observe(len(decoding), k, accepted, seconds, [0 if i in forced else ks[i] for i in decoding],
+        # positions cut before the pass (a forbidden token, an unsure one) count as drafts not accepted, as in
+        # core/engine.py: the policy's k is a most, and what a step at that most brings is what it learns
+        self.policy.observe(len(decoding), k, accepted, seconds, [0 if i in forced else asked[i] for i in decoding],
                             [self.seqs[i].evidence for i in decoding], timed=not reshaped and len(decoding) == b)
         if decoding:
             self.k_steps[k] = self.k_steps.get(k, 0) + 1
