@@ -29,8 +29,10 @@ import mlx.core as mx
 
 from ..core.engine import Engine, GenerationConfig
 from ..grammar import grammar_tokenizer
-from ..grammar.requests import CALL_CLOSE, CALL_OPEN, from_response_format, tool_calls, tools_system_text
+from ..grammar.requests import CALL_CLOSE, CALL_OPEN, from_response_format, tools_system_text
 from ..sampling import SamplingConfig
+from ..toolcalls.formats import GENERIC
+from ..toolcalls.grammars import forced_call
 from .modes import Mode, Result
 
 SUITES = ("json", "tools")
@@ -99,7 +101,7 @@ def load_structured(suite: str, rows: list[dict], loaded) -> list[StructuredProm
             tools, choice = r["tools"], r.get("tool_choice", "required")
             named = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
             offered = [t for t in tools if named is None or t["function"]["name"] == named]
-            grammar = tool_calls(offered, llg, parallel=False)
+            grammar = forced_call(GENERIC, offered, llg, parallel=False)
             note = tools_system_text(tools)
             check = _call_check(offered)
         if messages and messages[0]["role"] == "system":

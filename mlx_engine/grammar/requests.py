@@ -1,11 +1,11 @@
-"""Grammars from what users send: an OpenAI `response_format`, a tool call the request forces, the CLI's
-`--grammar`. Each compiles against the model's tokenizer or raises GrammarError naming what is wrong.
+"""Grammars from what users send: an OpenAI `response_format`, the CLI's `--grammar`. Each compiles against
+the model's tokenizer or raises GrammarError naming what is wrong.
 
-Tool calls are written in the generic form a template without a tool section gets (README, "Structured
-output"): `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`, the arguments held to the
-tool's `parameters` schema, several calls separated by a newline when parallel calls are allowed. Where
-the tokenizer holds a marker as one special token (Qwen's `<tool_call>`), the grammar names that token, so
-the model writes it as it was trained to, not spelled out in pieces.
+And the pieces of the generic tool-call form a template without a tool section gets (README, "Structured
+output"): `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>` (its markers, one call's schema,
+the system text that shows the tools); a call's grammar in each family's format is toolcalls/grammars.py's.
+Where the tokenizer holds a marker as one special token (Qwen's `<tool_call>`), `_literal` names that token,
+so the model writes it as it was trained to, not spelled out in pieces.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import llguidance
 
-from .spec import JSON_OPTIONS, Grammar, GrammarError, _checked, json_object, json_schema, lark, regex
+from .spec import Grammar, GrammarError, json_object, json_schema, lark, regex
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 
@@ -91,21 +91,3 @@ def tool_call_schema(tool: dict) -> dict:
         raise GrammarError(f"tool {name!r}: parameters must be a JSON schema object")
     return {"type": "object", "properties": {"name": {"const": name}, "arguments": params},
             "required": ["name", "arguments"], "additionalProperties": False}
-
-
-def tool_calls(tools: list[dict], tokenizer: llguidance.LLTokenizer, parallel: bool = True) -> Grammar:
-    """One call (or several, newline-separated, when `parallel`) of one of `tools`, in the generic form;
-    nothing else. For tool_choice "required" (all tools) or a named function (that one)."""
-    if not tools:
-        raise GrammarError("tool_choice forces a call but no tools are given")
-    schemas = [tool_call_schema(t) for t in tools]
-    schema = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
-    body = json.dumps({**schema, "x-guidance": JSON_OPTIONS})
-    call = f'{_literal(CALL_OPEN, tokenizer)} "\\n" %json {body} "\\n" {_literal(CALL_CLOSE, tokenizer)}'
-    start = "start: call (\"\\n\" call)*" if parallel else "start: call"
-    names = ", ".join(repr(s["properties"]["name"]["const"]) for s in schemas)
-    try:
-        source = llguidance.LLMatcher.grammar_from_lark(f"{start}\ncall: {call}\n")
-    except ValueError as e:
-        raise GrammarError(f"the tool call of {names} cannot be compiled: {e}") from None
-    return _checked(source, tokenizer, f"a call of {names}")
