@@ -64,6 +64,27 @@ def test_masks_along_a_draft_and_settle_leave_the_state_of_the_kept_tokens(seed)
         np.testing.assert_array_equal(m.mask()[0], fresh_mask(g, answer[: at + 1]))
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_the_mask_kept_for_a_state_is_the_state_s_and_forgotten_when_the_matcher_moves(seed):
+    """`mask` keeps the mask of the state the matcher stands in (a cycle asks twice): `legal` walks away and
+    back, so it still holds, and it is `masks`' first row; any consume or rollback forgets it."""
+    g = gu.schema_grammar()
+    answer = a_valid_answer(g, seed)
+    m = g.matcher()
+    for at in range(1, min(len(answer) - 3, 12)):
+        m.consume(answer[at - 1 : at])
+        kept = m.mask()
+        assert (kept[0] == fresh_mask(g, answer[:at])).all()
+        assert m.legal(answer[at : at + 3]) == 3 and m.mask() is kept
+        assert (m.masks(answer[at : at + 2])[0] == kept[0]).all()
+        m.rollback(2)
+        assert (m.mask()[0] == kept[0]).all()
+    m.consume(answer[at : at + 1])  # moved: the mask is the new state's
+    assert (m.mask()[0] == fresh_mask(g, answer[: at + 1])).all()
+    m.rollback(1)
+    assert (m.mask()[0] == fresh_mask(g, answer[:at])).all()
+
+
 def test_legal_cuts_at_the_first_forbidden_token_and_leaves_the_state():
     g = gu.schema_grammar()
     answer = a_valid_answer(g, 1)

@@ -42,6 +42,9 @@ class Matcher:
         self._start = None if (reasoning and self.marker) else 0  # index where the grammar begins; None: reasoning
         self.words = (grammar.tokenizer.vocab_size + 31) // 32
         self.seconds = 0.0  # host time spent computing masks, legal prefixes and forced runs (benches)
+        # the mask of the state the matcher stands in, once computed ([1, W], read-only): a cycle asks for it
+        # twice (a model drafter's first position, then the verify pass's first row); forgotten on any move
+        self._here: np.ndarray | None = None
 
     # -- state ------------------------------------------------------------------------------------
     @property
@@ -57,6 +60,7 @@ class Matcher:
     def consume(self, tokens) -> None:
         """Advance by emitted (or drafted, legal) tokens."""
         for t in tokens:
+            self._here = None
             t = int(t)
             feed = not self.reasoning and t not in self.eos
             if feed and not self._llg.consume_token(t):
@@ -72,6 +76,7 @@ class Matcher:
             return
         if n > len(self.tokens):
             raise ValueError(f"cannot roll back {n} of {len(self.tokens)} tokens")
+        self._here = None
         fed = sum(self._fed[-n:])
         if fed and not self._llg.rollback(fed):
             raise GrammarViolation(f"rollback of {fed} tokens failed: {self._llg.get_error()}")
@@ -84,6 +89,7 @@ class Matcher:
         """How many leading `tokens` the grammar allows from here (an end-of-answer token, when allowed,
         counts and ends the run: nothing after it is checked). The state is left as it was."""
         t0 = time.perf_counter()
+        here = self._here  # the walk returns to this state: its mask still holds
         n, ended = 0, 0
         for t in tokens:
             t = int(t)
@@ -95,6 +101,7 @@ class Matcher:
             self.consume([t])
             n += 1
         self.rollback(n)
+        self._here = here
         self.seconds += time.perf_counter() - t0
         return n + ended
 
@@ -115,11 +122,21 @@ class Matcher:
         for t in self.eos:
             words[t // 32] |= np.uint32(1 << (t % 32))
 
+    def _fill_here(self, out: np.ndarray) -> None:
+        """The mask of the state the matcher stands in into `out`: the one `mask` kept, if it did."""
+        if self._here is not None:
+            out[:] = self._here[0]
+        else:
+            self.fill(out)
+
     def mask(self) -> np.ndarray:
-        """[1, W]: the mask of the next token."""
-        out = np.empty((1, self.words), dtype=np.int32)
-        self.fill(out[0])
-        return out
+        """[1, W]: the mask of the next token (read-only: kept until the matcher moves)."""
+        if self._here is None:
+            out = np.empty((1, self.words), dtype=np.int32)
+            self.fill(out[0])
+            out.flags.writeable = False
+            self._here = out
+        return self._here
 
     def masks(self, draft) -> np.ndarray:
         """[len(draft) + 1, W]: row i the mask after draft[:i]. Consumes the draft (all of it must be legal:
@@ -131,13 +148,13 @@ class Matcher:
             if ended:
                 self.fill_ended(out[i])
                 continue
-            self.fill(out[i])
+            self._fill_here(out[i])
             self.consume([t])
             ended = int(t) in self.eos
         if ended:
             self.fill_ended(out[len(draft)])
         else:
-            self.fill(out[len(draft)])
+            self._fill_here(out[len(draft)])
         return out
 
     def settle(self, drafted: int, kept: int, following: int) -> None:
