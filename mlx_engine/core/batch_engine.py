@@ -449,10 +449,11 @@ class BatchEngine(BatchRows):
     def _drafts(self, k: int, ks: list[int], width: int, decoding: list[int]) -> dict:
         """Each decoding row's drafts, padded to the pass's width - 1 (rows that draw no key draft nothing)."""
         if self.batched is not None:  # one head pass per draft step drafts k for every adopted row
-            keys = [s.next_key() if ks[self.seqs.index(s)] else mx.random.key(0) for s in self.adopted]
+            drafting = [bool(ks[self.seqs.index(s)]) for s in self.adopted]
+            keys = [s.next_key() if d else mx.random.key(0) for s, d in zip(self.adopted, drafting)]
             # a constrained row's first draft token chosen among the tokens its grammar allows there
-            allowed = batch_grammar.first_allowed([s if s.matcher is not None and ks[self.seqs.index(s)] else None
-                                                   for s in self.adopted])
+            allowed = batch_grammar.first_allowed([s if s.matcher is not None and d else None
+                                                   for s, d in zip(self.adopted, drafting)])
             samplings = [s.sampling for s in self.adopted]
             proposed = self.batched.propose(k, samplings, keys) if allowed is None else \
                 self.batched.propose(k, samplings, keys, first_allowed=allowed)

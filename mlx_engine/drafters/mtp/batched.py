@@ -24,7 +24,7 @@ from ...sampling import SamplingConfig, choose
 from ...target_model.batch_cache import BatchKVCache, append_sequence
 from ...target_model.prefix_cache import shifted
 from ..base import Draft, Verdict
-from .drafter import MTPDrafter, within
+from .drafter import MTPDrafter, sureness, within
 
 
 def batchable_mtp(drafter) -> bool:
@@ -141,7 +141,7 @@ class BatchedMTP:
                 logits = within(logits, first_allowed)
             if all_greedy:
                 tok = mx.argmax(logits, axis=-1).astype(mx.int32)
-                confidence.append(mx.max(mx.softmax(logits.astype(mx.float32), axis=-1), axis=-1))
+                confidence.append(sureness(logits, None))
             else:
                 picked, sure = [], []
                 for i, cfg in enumerate(samplings):
@@ -152,8 +152,7 @@ class BatchedMTP:
                     t, p = choose(logits[i : i + 1], context, cfg, rows_keys[i][step])
                     picked.append(t.astype(mx.int32))
                     probs[i].append(p)
-                    p = p if p is not None else mx.softmax(logits[i : i + 1].astype(mx.float32), axis=-1)
-                    sure.append(mx.max(p, axis=-1))
+                    sure.append(sureness(logits[i : i + 1], p))
                 tok = mx.concatenate(picked)
                 confidence.append(mx.concatenate(sure))
             tokens.append(tok)

@@ -39,6 +39,12 @@ def within(logits: mx.array, allowed: mx.array) -> mx.array:
     return mx.where(mx.any(masked > -mx.inf, axis=-1, keepdims=True), masked, logits)
 
 
+def sureness(logits: mx.array, probs: mx.array | None) -> mx.array:
+    """[B]: the largest probability of each row's draft distribution (`probs` when sampled, else the softmax
+    of `logits`): Draft.confidence."""
+    return mx.max(probs if probs is not None else mx.softmax(logits.astype(mx.float32), axis=-1), axis=-1)
+
+
 class MTPLayer(nn.Module):
     """One head: x = eh_proj(cat[enorm(e), hnorm(h)]) -> block -> norm -> h' (lm_head outside).
 
@@ -254,7 +260,7 @@ class MTPDrafter:
             tok = tok.astype(mx.int32)
             tokens.append(tok)
             probs.append(p)
-            confidence.append(mx.max(p if p is not None else mx.softmax(logits.astype(mx.float32), axis=-1), axis=-1))
+            confidence.append(sureness(logits, p))
             if i + 1 < k:
                 h = self._run((i + 1) % self.num_layers, tok, h)
         draft_tokens = mx.concatenate(tokens)
