@@ -295,19 +295,27 @@ def test_within_keeps_the_logits_when_no_allowed_token_is_scored():
     assert within(logits, mx.array([False, True, False, True])).tolist() == logits.tolist()
 
 
-def test_an_optional_call_grammar_under_speculation():
-    """tool_choice auto with a strict tool (toolcalls/grammars.py optional_calls): free text, then a call held
-    to its schema. A noisy copy of the target drafts (accepted in part) against its masks: the output is plain
-    constrained greedy, token for token."""
-    from mlx_engine.toolcalls.formats import GENERIC
-    from mlx_engine.toolcalls.grammars import optional_calls, strict_view
+@pytest.mark.parametrize("form", ["generic-auto", "qwen3_coder-forced", "glm47-auto"])
+def test_a_call_grammar_under_speculation(form):
+    """tool_choice auto with a strict tool (toolcalls/grammars.py optional_calls: free text, then a call held
+    to its schema) or a forced call, in the generic JSON form or an XML-like one. A noisy copy of the target
+    drafts (accepted in part) against its masks: the output is plain constrained greedy, token for token."""
+    from mlx_engine.toolcalls.formats import GENERIC, mlx_lm_format
+    from mlx_engine.toolcalls.grammars import forced_call, optional_calls, strict_view
 
     tool = {"type": "function", "function": {"name": "add", "strict": True, "parameters": {
-        "type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}}}
-    grammar = optional_calls(GENERIC, strict_view([tool]), gu.llg_tokenizer())
+        "type": "object", "properties": {"a": {"type": "integer"}, "op": {"enum": ["plus", "minus"]}},
+        "required": ["a"]}}}
+    name, choice = form.split("-")
+    fmt = GENERIC if name == "generic" else mlx_lm_format(name)
+    build = optional_calls if choice == "auto" else forced_call
+    grammar = build(fmt, strict_view([tool]), gu.llg_tokenizer())
     model = gu.target()
     ref = gu.reference(model, gu.PROMPT, grammar, 40)
     engine = Engine(model, DraftModelDrafter(noisy(), V))
     out, _ = generate(engine, grammar, 3, n=40)
     assert out == ref
-    assert 0 < engine.stats.accepted < engine.stats.drafted
+    if choice == "auto":  # the model's drafts verified, accepted in part
+        assert 0 < engine.stats.accepted < engine.stats.drafted
+    else:  # a forced call is mostly forced text: drafted by the grammar, the model's drafts cut where illegal
+        assert engine.stats.forced_accepted > 0 and engine.stats.cut > 0

@@ -150,7 +150,10 @@ def _calls_in(text: str, fmt) -> list:
     return split(fmt, text[start:end], [])[2]
 
 
-@pytest.mark.parametrize("fmt", [JSON, GENERIC, DEEPSEEK, LLAMA3], ids=lambda f: f.name)
+QWEN3_CODER, GLM47 = mlx_lm_format("qwen3_coder"), mlx_lm_format("glm47")
+
+
+@pytest.mark.parametrize("fmt", [JSON, GENERIC, DEEPSEEK, LLAMA3, QWEN3_CODER, GLM47], ids=lambda f: f.name)
 def test_a_forced_call_s_grammar_writes_the_family_s_format(fmt):
     """Walk the grammar to its end (a valid call of `add`), then parse the text as the family's call."""
     import numpy as np
@@ -200,7 +203,12 @@ def _ends_here(m) -> bool:
     return bool(bits[gu.eos()])
 
 
-@pytest.mark.parametrize("fmt", [JSON, GENERIC, DEEPSEEK], ids=lambda f: f.name)
+BAD_ADD = {"json": '\n{"name": "add", "arguments": {"b": "x"', "generic": '\n{"name": "add", "arguments": {"b": "x"',
+           "deepseek_v3": '<｜tool▁call▁begin｜>function<｜tool▁sep｜>add\n```json\n{"b": "x"',
+           "qwen3_coder": "\n<function=add>\n<parameter=b>\nx", "glm47": "add<arg_key>b</arg_key><arg_value>x"}
+
+
+@pytest.mark.parametrize("fmt", [JSON, GENERIC, DEEPSEEK, QWEN3_CODER, GLM47], ids=lambda f: f.name)
 def test_an_optional_call_s_grammar_takes_free_text_then_calls_held_to_the_schema(fmt):
     import numpy as np
     from mlx_engine.grammar import GrammarViolation
@@ -222,8 +230,68 @@ def test_an_optional_call_s_grammar_takes_free_text_then_calls_held_to_the_schem
         assert set(json.loads(calls[0][1])) == {"a", "b"} and all(0 <= v <= 9 for v in json.loads(calls[0][1]).values())
     m = g.matcher()  # a call whose arguments break the strict tool's schema is refused
     with pytest.raises(GrammarViolation):
-        m.consume(gu.encode(fmt.start + ('\n{"name": "add", "arguments": {"b": "x"' if fmt is not DEEPSEEK else
-                                         "<｜tool▁call▁begin｜>function<｜tool▁sep｜>add\n```json\n{\"b\": \"x\"")))
+        m.consume(gu.encode(fmt.start + BAD_ADD[fmt.name]))
+
+
+EDIT = {"type": "function", "function": {"name": "edit", "strict": True, "parameters": {
+    "type": "object", "$defs": {"span": {"type": "object", "properties": {"line": {"type": "integer"}},
+                                         "required": ["line"], "additionalProperties": False}},
+    "properties": {"path": {"type": "string"}, "mode": {"enum": ["replace", "insert"]}, "dry": {"type": "boolean"},
+                   "at": {"$ref": "#/$defs/span"}, "note": {"type": "string"}},
+    "required": ["path", "mode", "at"], "additionalProperties": False}}}
+EDIT_ARGS = {"path": 'src/a "b".py', "mode": "insert", "dry": True, "at": {"line": 3}, "note": "x < y\nand </p>"}
+
+
+def _xml_call(fmt, args: dict, glm_newlines: bool = False) -> str:
+    """A call of `edit` as the family's template renders it (Qwen: Python's True for a boolean)."""
+    def text(v):
+        return v if isinstance(v, str) else "True" if v is True else json.dumps(v)
+
+    if fmt is QWEN3_CODER:
+        body = "".join(f"<parameter={k}>\n{text(v)}\n</parameter>\n" for k, v in args.items())
+        return f"<tool_call>\n<function=edit>\n{body}</function>\n</tool_call>"
+    nl = "\n" if glm_newlines else ""
+    body = "".join(f"{nl}<arg_key>{k}</arg_key>{nl}<arg_value>{v if isinstance(v, str) else json.dumps(v)}</arg_value>"
+                   for k, v in args.items())
+    return f"<tool_call>edit{body}{nl}</tool_call>"
+
+
+@pytest.mark.parametrize("fmt,newlines", [(QWEN3_CODER, False), (GLM47, False), (GLM47, True)],
+                         ids=["qwen3_coder", "glm47", "glm45"])
+def test_xml_calls_hold_each_argument_to_its_parameter_s_schema(fmt, newlines):
+    """Strings as raw text (quotes, newlines, tags other than the closer kept), enums, booleans, a $ref'd object;
+    the call parses back into the arguments; a wrong enum, a missing required or an unknown parameter, an
+    object off its schema, and a reordered call are refused."""
+    from jsonschema import validate
+
+    from mlx_engine.grammar import GrammarViolation
+    from mlx_engine.toolcalls.grammars import forced_call, optional_calls, strict_view
+
+    for g in (forced_call(fmt, [EDIT, ADD], gu.llg_tokenizer()), optional_calls(fmt, [EDIT, ADD], gu.llg_tokenizer())):
+        text = _xml_call(fmt, EDIT_ARGS, newlines)
+        m = g.matcher()
+        m.consume(gu.encode(text))
+        assert _ends_here(m)
+        (name, args), = split(fmt, text, [], tools=[EDIT])[2]
+        assert name == "edit" and json.loads(args) == EDIT_ARGS
+        validate(json.loads(args), EDIT["function"]["parameters"])
+        without = {k: v for k, v in EDIT_ARGS.items() if k not in ("dry", "note")}  # optional ones left out
+        m = g.matcher()
+        m.consume(gu.encode(_xml_call(fmt, without, newlines)))
+        assert _ends_here(m)
+        for bad in ({**EDIT_ARGS, "mode": "delete"}, {k: v for k, v in EDIT_ARGS.items() if k != "mode"},
+                    {**EDIT_ARGS, "extra": "1"}, {**EDIT_ARGS, "at": {"line": "3"}},
+                    dict(reversed(list(EDIT_ARGS.items())))):
+            m = g.matcher()
+            with pytest.raises(GrammarViolation):
+                m.consume(gu.encode(_xml_call(fmt, bad, newlines)))
+                assert _ends_here(m), bad  # (a prefix of a call may be legal; its end is not)
+                m.consume([gu.eos()])
+    loose = optional_calls(fmt, strict_view([{**EDIT, "function": {k: v for k, v in EDIT["function"].items()
+                                                                   if k != "strict"}}]), gu.llg_tokenizer())
+    m = loose.matcher()  # a tool not marked strict: any parameters, text values
+    m.consume(gu.encode(_xml_call(fmt, {"anything": "goes", "mode": "delete"}, newlines)))
+    assert _ends_here(m)
 
 
 def test_a_tool_not_marked_strict_takes_any_object_under_auto():
@@ -275,3 +343,21 @@ def test_auto_holds_calls_to_the_grammar_only_with_a_strict_tool():
     m = strict.matcher()
     m.consume(gu.encode("Let me add.\n"))  # free text before a call
     assert prepare(Turn("m", messages=messages, tools=[SMALL], tool_choice="none"), tok, gu.VOCAB).grammar is None
+
+
+def test_a_qwen3_coder_model_s_forced_and_strict_auto_calls_are_constrained():
+    """The server's wiring: a template in Qwen3-Coder's form is detected, and tool_choice required / auto with a
+    strict tool get its call grammar (before, they went unconstrained)."""
+    from mlx_engine.serve.turn import Turn, prepare
+
+    tok = _tokenizer("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+                     "{% if tools %}{{- '<tool_call>\\n<function=' }}{% endif %}"
+                     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    assert detect(tok).name == "qwen3_coder"
+    messages = [{"role": "user", "content": "edit it"}]
+    text = _xml_call(QWEN3_CODER, EDIT_ARGS)
+    for choice, head in (("required", ""), ("auto", "Sure.\n")):
+        g = prepare(Turn("m", messages=messages, tools=[EDIT], tool_choice=choice), tok, gu.VOCAB).grammar
+        m = g.matcher()
+        m.consume(gu.encode(head + text))
+        assert _ends_here(m)

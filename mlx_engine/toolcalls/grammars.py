@@ -9,9 +9,10 @@
   the opener is text, it is one lexeme with the free text before it (`OPENING`: text ending at the first
   opener), so the lexer never has to decide between "more free text" and "the opener starts here".
 
-Formats whose calls are not JSON (mlx-lm's XML-like and pythonic ones) have none: their calls are parsed,
-not constrained (README says which); Llama 3's calls have no opener (the answer is the call's JSON), so
-tool_choice auto is not constrained there.
+The formats: JSON bodies (json, generic), DeepSeek's calls block, Llama 3's bare JSON, and the XML-like
+qwen3_coder and glm47 (xml_grammars.py). mlx-lm's other parsers (pythonic, kimi_k2, mistral, gemma4, ...)
+have none: their calls are parsed, not constrained (README says which); Llama 3's calls have no opener (the
+answer is the call's JSON), so tool_choice auto is not constrained there.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ import llguidance
 from ..grammar.requests import CALL_CLOSE, CALL_OPEN, _literal, tool_call_schema
 from ..grammar.spec import JSON_OPTIONS, Grammar, GrammarError, _checked
 from .formats import DEEPSEEK, DS_CALL_BEGIN, DS_CALL_END, DS_CALLS_BEGIN, DS_CALLS_END, DS_SEP, GENERIC, JSON, LLAMA3
+from .lark_items import text_until, text_without
+from .xml_grammars import glm47_calls, qwen3_coder_calls
 
 
 def _one_of(schemas: list[dict]) -> str:
@@ -53,6 +56,10 @@ def _calls(fmt, tools: list[dict], tokenizer: llguidance.LLTokenizer, parallel: 
         many = "call+" if parallel else "call"
         call = " | ".join(f"({a})" for a in alts)
         return DS_CALLS_BEGIN, f"rest: {many} {_literal(DS_CALLS_END, tokenizer)}\ncall: {call}\n"
+    if fmt.name == "qwen3_coder":
+        return qwen3_coder_calls(tools, tokenizer, parallel)
+    if fmt.name == "glm47":
+        return glm47_calls(tools, tokenizer, parallel)
     return None
 
 
@@ -92,14 +99,8 @@ def optional_calls(fmt, tools: list[dict], tokenizer: llguidance.LLTokenizer, pa
     if spec is None:
         return None
     opener, rules = spec
-    item = _literal(opener, tokenizer)
-    if item.startswith("<["):  # one special token: free text cannot write it
-        head = f"start: TEXT | TEXT? {item} rest\nTEXT: /(?s:.+)/\n"
-    else:
-        m = _regex_text(opener)
-        head = (f"start: FREE | OPENING rest\n"
-                f"FREE: /(?s:.+)/ & ~/(?s:.*){m}(?s:.*)/\n"  # text without the opener
-                f"OPENING: /(?s:.*){m}/ & ~/(?s:.*){m}(?s:.+)/\n")  # text ending at its first opener
+    opening, opening_def = text_until("OPENING", opener, tokenizer)  # text ending at the first opener
+    head = f"start: FREE | {opening} rest\n" + text_without("FREE", opener, tokenizer) + opening_def
     return _compiled(head + rules, tokenizer, tools)
 
 
@@ -115,7 +116,3 @@ def strict_view(tools: list[dict]) -> list[dict]:
             out.append({"type": "function", "function": {"name": fn.get("name"), "parameters": {"type": "object"}}})
     return out
 
-
-def _regex_text(text: str) -> str:
-    """`text` as a literal inside a Lark regex (Rust regex syntax, between slashes)."""
-    return "".join("\\" + c if c in "\\.+*?()|[]{}^$#&-~/" else c for c in text)

@@ -1,0 +1,34 @@
+"""Pieces of Lark text shared by the call grammars: free text that stops at a marker.
+
+llguidance's lexer is greedy and never goes back, so "free text, then a marker" cannot be two lexemes when
+the marker is text (the text lexeme would run on over it). Where the tokenizer holds the marker as one special
+token, free text cannot write it and the two stay apart; otherwise they are one lexeme: text ending at the
+marker's first appearance, built with the regex operators & and ~.
+"""
+
+from __future__ import annotations
+
+import llguidance
+
+from ..grammar.requests import _literal
+
+
+def regex_text(text: str) -> str:
+    """`text` as a literal inside a Lark regex (Rust regex syntax, between slashes)."""
+    return "".join("\\" + c if c in "\\.+*?()|[]{}^$#&-~/" else c for c in text)
+
+
+def text_until(terminal: str, marker: str, tokenizer: llguidance.LLTokenizer) -> tuple[str, str]:
+    """(a Lark item for any text (maybe none) and then `marker`, the definition of `terminal` it uses)."""
+    item = _literal(marker, tokenizer)
+    if item.startswith("<["):
+        return f"{terminal}? {item}", f"{terminal}: /(?s:.+)/\n"
+    m = regex_text(marker)
+    return terminal, f"{terminal}: /(?s:.*){m}/ & ~/(?s:.*){m}(?s:.+)/\n"
+
+
+def text_without(terminal: str, marker: str, tokenizer: llguidance.LLTokenizer) -> str:
+    """The definition of `terminal`: any non-empty text that does not hold `marker`."""
+    if _literal(marker, tokenizer).startswith("<["):
+        return f"{terminal}: /(?s:.+)/\n"
+    return f"{terminal}: /(?s:.+)/ & ~/(?s:.*){regex_text(marker)}(?s:.*)/\n"

@@ -1,0 +1,115 @@
+"""Lark rules for calls in the XML-like formats, each argument held to its parameter's schema.
+
+- `qwen3_coder` (Qwen3-Coder, Qwen3.5 / 3.6; their templates write):
+  `<tool_call>\\n<function=NAME>\\n<parameter=KEY>\\nVALUE\\n</parameter>\\n...</function>\\n</tool_call>`,
+  calls of one answer separated by "\\n".
+- `glm47` (GLM-4.5 ... 5): `<tool_call>NAME<arg_key>KEY</arg_key><arg_value>VALUE</arg_value>...</tool_call>`;
+  GLM-4.5 / 4.6's templates put a newline before each tag and GLM-4.7's none, so the grammar lets the model
+  write either.
+
+A value is written as the templates render it and as mlx-lm's parsers read it back: a string as its raw text
+(any text up to the first closing tag: lark_items.text_until), an enum of strings or a string const as one of
+its strings, a boolean as JSON's or Python's (Qwen's template renders `True`), anything else as JSON held to
+its schema (the parsers json-load it). A string's pattern, format and length are not held. Parameters come in
+the order the schema declares them, the required ones always, the others optional; a tool whose parameters
+declare no properties takes any keys with text values.
+"""
+
+from __future__ import annotations
+
+import json
+
+import llguidance
+
+from ..grammar.requests import _literal
+from ..grammar.spec import JSON_OPTIONS, GrammarError
+from .lark_items import text_until
+
+QWEN_OPEN, QWEN_CLOSE = "<tool_call>", "</tool_call>"
+GLM_OPEN, GLM_CLOSE = "<tool_call>", "</tool_call>"
+_COMPOSITE = ("anyOf", "oneOf", "allOf", "$ref", "properties", "items", "not")
+
+
+def _is_text(schema: dict) -> bool:
+    kind = schema.get("type")
+    if kind == "string" or (isinstance(kind, list) and "string" in kind):
+        return True
+    return kind is None and not any(k in schema for k in _COMPOSITE + ("enum", "const"))
+
+
+def _value(schema: dict, defs: dict, text: str, closer: str) -> str:
+    """The Lark item of one argument's value and its closing tag (`text`: the item for free text + closer)."""
+    if not isinstance(schema, dict):
+        raise GrammarError(f"a parameter's schema must be an object, got {schema!r}")
+    options = schema.get("enum", [schema["const"]] if "const" in schema else None)
+    if options and all(isinstance(o, str) for o in options):
+        return "(" + " | ".join(json.dumps(o) for o in options) + f") {closer}"
+    if _is_text(schema) and "enum" not in schema and "const" not in schema:
+        return text
+    if schema.get("type") == "boolean":  # JSON's, or Python's as a template's `| string` renders it
+        return f'("true" | "false" | "True" | "False") {closer}'
+    full = {**schema, **({"$defs": defs} if defs and "$defs" not in schema else {}), "x-guidance": JSON_OPTIONS}
+    return f"%json {json.dumps(full)} {closer}"
+
+
+def _parameters(tool: dict) -> tuple[str, dict, dict, set]:
+    fn = tool.get("function", tool)
+    name = fn.get("name")
+    if not isinstance(name, str) or not name:
+        raise GrammarError("a tool has no function name")
+    params = fn.get("parameters") or {}
+    if not isinstance(params, dict):
+        raise GrammarError(f"tool {name!r}: parameters must be a JSON schema object")
+    defs = params.get("$defs") or params.get("definitions") or {}
+    return name, params.get("properties") or {}, defs, set(params.get("required") or [])
+
+
+def _arguments(rule: str, tool: dict, item, text: str, closer: str) -> str:
+    """`rule: ...` for `tool`'s arguments in declared order; `item(key_item, value_item)` writes one."""
+    name, props, defs, required = _parameters(tool)
+    if not props:
+        return f"{rule}: ({item('ANY_KEY', text)})*\n"
+    parts = []
+    for key, schema in props.items():
+        one = f"({item(json.dumps(key), _value(schema, defs, text, closer))})"
+        parts.append(one if key in required else one + "?")
+    return f"{rule}: {' '.join(parts)}\n"
+
+
+def qwen3_coder_calls(tools: list[dict], tokenizer: llguidance.LLTokenizer, parallel: bool) -> tuple[str, str]:
+    """(the opener, Lark rules whose `rest` is everything after it to the end of the calls)."""
+    closer = '"\\n</parameter>"'
+    text, terminal = text_until("PARAM_TEXT", "\n</parameter>", tokenizer)
+
+    def item(key, value):
+        return f'"<parameter=" {key} ">\\n" {value} "\\n"'
+
+    rules, alts = [terminal, "ANY_KEY: /[^\\s<>=]+/\n"], []
+    for i, tool in enumerate(tools):
+        name = _parameters(tool)[0]
+        rules.append(_arguments(f"args{i}", tool, item, text, closer))
+        alts.append(f"{json.dumps(chr(10) + '<function=' + name + '>' + chr(10))} args{i}")
+    opener, close = _literal(QWEN_OPEN, tokenizer), _literal(QWEN_CLOSE, tokenizer)
+    call = f'({" | ".join(alts)}) "</function>\\n" {close}'
+    more = f' ("\\n" {opener} call)*' if parallel else ""
+    return QWEN_OPEN, f"rest: call{more}\ncall: {call}\n" + "".join(rules)
+
+
+def glm47_calls(tools: list[dict], tokenizer: llguidance.LLTokenizer, parallel: bool) -> tuple[str, str]:
+    """(the opener, Lark rules whose `rest` is everything after it to the end of the calls)."""
+    lit = {t: _literal(t, tokenizer) for t in ("<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>")}
+    closer = lit["</arg_value>"]
+    text, terminal = text_until("ARG_TEXT", "</arg_value>", tokenizer)
+
+    def item(key, value):
+        return f'"\\n"? {lit["<arg_key>"]} {key} {lit["</arg_key>"]} "\\n"? {lit["<arg_value>"]} {value}'
+
+    rules, alts = [terminal, "ANY_KEY: /[^\\s<>]+/\n"], []
+    for i, tool in enumerate(tools):
+        name = _parameters(tool)[0]
+        rules.append(_arguments(f"args{i}", tool, item, text, closer))
+        alts.append(f"{json.dumps(name)} args{i}")
+    opener, close = _literal(GLM_OPEN, tokenizer), _literal(GLM_CLOSE, tokenizer)
+    call = f'({" | ".join(alts)}) "\\n"? {close}'
+    more = f' ("\\n"? {opener} call)*' if parallel else ""
+    return GLM_OPEN, f"rest: call{more}\ncall: {call}\n" + "".join(rules)
