@@ -294,6 +294,28 @@ def test_xml_calls_hold_each_argument_to_its_parameter_s_schema(fmt, newlines):
     assert _ends_here(m)
 
 
+def test_llama3_auto_is_text_or_one_call_held_to_the_schema():
+    """Llama 3 has no opener: the whole answer is a call or it is text. Text may not begin as a call does."""
+    import numpy as np
+    from mlx_engine.grammar import GrammarViolation
+    from mlx_engine.toolcalls.grammars import optional_calls, strict_view
+
+    g = optional_calls(LLAMA3, strict_view([SMALL]), gu.llg_tokenizer())
+    for text, calls in (("The answer is 3.", []), ('{"name": "add", "parameters": {"b": 2, "a": 1}}', [("add", '{"b": 2, "a": 1}')]),
+                        ('<|python_tag|>{"name": "add", "parameters": {"b": 2, "a": 1}}', [("add", '{"b": 2, "a": 1}')])):
+        m = g.matcher()
+        m.consume(gu.encode(text))
+        assert _ends_here(m) and split(LLAMA3, text, [], tools=[SMALL])[2] == calls
+    for bad in ('{"name": "add", "parameters": {"b": "x"', '{"name": "sub"', "{not a call}"):
+        with pytest.raises(GrammarViolation):
+            g.matcher().consume(gu.encode(bad))
+    m = g.matcher()
+    m.consume(gu.encode("{"))
+    out = gu.encode("{") + _walk(m, np.random.default_rng(0))
+    (name, args), = split(LLAMA3, gu.decode(out), [], tools=[SMALL])[2]
+    assert name == "add" and set(json.loads(args)) == {"a", "b"}
+
+
 def test_a_tool_not_marked_strict_takes_any_object_under_auto():
     from mlx_engine.grammar import GrammarViolation
     from mlx_engine.toolcalls.grammars import optional_calls, strict_view

@@ -11,8 +11,9 @@
 
 The formats: JSON bodies (json, generic), DeepSeek's calls block, Llama 3's bare JSON, and the XML-like
 qwen3_coder and glm47 (xml_grammars.py). mlx-lm's other parsers (pythonic, kimi_k2, mistral, gemma4, ...)
-have none: their calls are parsed, not constrained (README says which); Llama 3's calls have no opener (the
-answer is the call's JSON), so tool_choice auto is not constrained there.
+have none: their calls are parsed, not constrained (README says which). Llama 3's calls have no opener (the
+answer is the call's JSON): under auto its text may not begin with `{` (nor `<` where `<|python_tag|>` is
+text), which is where its parser would read a call.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ import llguidance
 
 from ..grammar.requests import CALL_CLOSE, CALL_OPEN, _literal, tool_call_schema
 from ..grammar.spec import JSON_OPTIONS, Grammar, GrammarError, _checked
-from .formats import DEEPSEEK, DS_CALL_BEGIN, DS_CALL_END, DS_CALLS_BEGIN, DS_CALLS_END, DS_SEP, GENERIC, JSON, LLAMA3
+from .formats import (DEEPSEEK, DS_CALL_BEGIN, DS_CALL_END, DS_CALLS_BEGIN, DS_CALLS_END, DS_SEP, GENERIC, JSON, LLAMA3,
+                      PYTHON_TAG)
 from .lark_items import text_until, text_without
 from .xml_grammars import glm47_calls, qwen3_coder_calls
 
@@ -63,6 +65,15 @@ def _calls(fmt, tools: list[dict], tokenizer: llguidance.LLTokenizer, parallel: 
     return None
 
 
+def _llama3_call(tools: list[dict]) -> str:
+    """Llama 3's call: the JSON {"name": ..., "parameters": {...}} of one of `tools`."""
+    schemas = [{"type": "object", "properties": {"name": {"const": s["properties"]["name"]["const"]},
+                                                 "parameters": s["properties"]["arguments"]},
+                "required": ["name", "parameters"], "additionalProperties": False}
+               for s in map(tool_call_schema, tools)]
+    return f"%json {_one_of(schemas)}"
+
+
 def _compiled(lark: str, tokenizer: llguidance.LLTokenizer, tools: list[dict]) -> Grammar:
     names = _names(tools)
     try:
@@ -77,11 +88,7 @@ def forced_call(fmt, tools: list[dict], tokenizer: llguidance.LLTokenizer, paral
     if not tools:
         raise GrammarError("tool_choice forces a call but no tools are given")
     if fmt is LLAMA3:
-        schemas = [{"type": "object", "properties": {"name": {"const": s["properties"]["name"]["const"]},
-                                                     "parameters": s["properties"]["arguments"]},
-                    "required": ["name", "parameters"], "additionalProperties": False}
-                   for s in map(tool_call_schema, tools)]
-        return _compiled(f"start: %json {_one_of(schemas)}\n", tokenizer, tools)
+        return _compiled(f"start: {_llama3_call(tools)}\n", tokenizer, tools)
     spec = _calls(fmt, tools, tokenizer, parallel)
     if spec is None:
         return None
@@ -92,9 +99,15 @@ def forced_call(fmt, tools: list[dict], tokenizer: llguidance.LLTokenizer, paral
 def optional_calls(fmt, tools: list[dict], tokenizer: llguidance.LLTokenizer, parallel: bool = True) -> Grammar | None:
     """The grammar of an answer that may call one of `tools` (tool_choice "auto"): free text, then optionally
     the call(s) in `fmt`, each held to its tool's schema (`strict_view` first for tools not marked strict).
-    None: this format has no opener to start the calls at."""
+    Llama 3 (no opener): the answer is text that does not begin like a call, or it is one call.
+    None: a format without a call grammar."""
     if not tools:
         return None
+    if fmt is LLAMA3:  # no opener: the answer is text, or it is the call (maybe after <|python_tag|>)
+        tag = _literal(PYTHON_TAG, tokenizer)
+        lead = "{" if tag.startswith("<[") else "{<"  # text may not begin like a call
+        return _compiled(f"start: FREE | {tag}? {_llama3_call(tools)}\nFREE: /\\s*[^\\s{lead}](?s:.*)/\n",
+                         tokenizer, tools)
     spec = _calls(fmt, tools, tokenizer, parallel)
     if spec is None:
         return None
