@@ -82,8 +82,6 @@ def grammar_of(args, loaded: LoadedModel):
         return None
     if args.ignore_eos:
         raise UsageError("--grammar ends the answer where its text is complete: drop --ignore-eos")
-    if getattr(args, "distributed", None):
-        raise UsageError("--grammar is not supported with --distributed yet")
     from .grammar import GrammarError, grammar_tokenizer
     from .grammar.requests import from_flag
 

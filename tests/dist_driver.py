@@ -2,7 +2,7 @@
 
 SPEC: {"model", "mode", optional "draft_model" / "mtp_weights" / "eagle3" / "dflash", "timeout", "runs": [...]}
 Each run: {"name", "drafter", "num_draft", "temp", "seed", "max_tokens", "prompt", optional "top_p",
-"repetition_penalty", "close_after" (rank 0 stops reading after that many steps), "die_after" /
+"repetition_penalty", "schema" (a JSON schema: the run is constrained by it), "close_after" (rank 0 stops reading after that many steps), "die_after" /
 "hang_after" (rank 1 kills / stops itself after that many steps), "one_process" (rank 0 also decodes
 it with the unsharded model in this process)}. Each rank writes OUT_DIR/rank{r}.json: per run the
 tokens it emitted, the collectives it counted, its host reads, cycles, drafts; rank 0 also the
@@ -24,15 +24,21 @@ from mlx_engine.core.engine import Engine, GenerationConfig
 from mlx_engine.distributed import DistributedEngine, init, load_sharded
 from mlx_engine.drafters import registry
 from mlx_engine.drafters.registry import DrafterOptions
+from mlx_engine.grammar import grammar_tokenizer, json_schema
 from mlx_engine.models import load
 from mlx_engine.sampling import SamplingConfig
 
 
-def config(run: dict) -> GenerationConfig:
+def config(run: dict, loaded) -> GenerationConfig:
     sampling = SamplingConfig(temperature=run.get("temp", 0.0), top_p=run.get("top_p", 1.0),
                               repetition_penalty=run.get("repetition_penalty", 1.0))
+    grammar = None
+    if "schema" in run:  # structured output: built on every rank, as a server's request would be
+        eos = list(loaded.tokenizer.eos_token_ids)
+        grammar = json_schema(run["schema"], grammar_tokenizer(loaded.tokenizer, loaded.vocab_size, eos))
     return GenerationConfig(max_tokens=run.get("max_tokens", 16), num_draft=run.get("num_draft", 3),
-                            sampling=sampling, seed=run.get("seed", 0))
+                            sampling=sampling, seed=run.get("seed", 0), grammar=grammar,
+                            stop_tokens=frozenset(loaded.tokenizer.eos_token_ids) if grammar else frozenset())
 
 
 def make_drafter(spec: dict, kind: str, loaded):
@@ -74,7 +80,7 @@ def main() -> int:
         drafter = make_drafter(spec, kind, loaded) if rank == 0 else None
         engine = DistributedEngine(loaded.model, drafter, group=group, timeout=spec.get("timeout", 30))
         tokens, reads0, steps = [], host.counts["read"], 0
-        gen = engine.generate(run["prompt"], config(run))
+        gen = engine.generate(run["prompt"], config(run, loaded))
         for step in gen:
             tokens += step.tokens
             steps += 1
@@ -88,10 +94,11 @@ def main() -> int:
         s = engine.stats
         entry = {"tokens": tokens, "collectives": engine.last_collectives, "reads": host.counts["read"] - reads0,
                  "cycles": s.cycles, "drafted": s.drafted, "accepted": s.accepted, "steps": steps,
-                 "generated": s.generated, "target_key": engine._target_key.tolist()}  # where its key sequence is
+                 "generated": s.generated, "forced": s.forced, "text": loaded.tokenizer.decode([t for t in tokens if t not in loaded.tokenizer.eos_token_ids]),
+                 "target_key": engine._target_key.tolist()}  # where its key sequence is
         if rank == 0 and run.get("one_process"):
             ref = Engine(one.model, make_drafter(spec, kind, one) if kind != "none" else None)
-            ref_tokens = [t for st in ref.generate(run["prompt"], config(run)) for t in st.tokens]
+            ref_tokens = [t for st in ref.generate(run["prompt"], config(run, one)) for t in st.tokens]
             entry["one_process"] = ref_tokens
             entry["gap"] = gap_at_first_difference(one.model, run["prompt"], tokens, ref_tokens)
         result["runs"][run["name"]] = entry

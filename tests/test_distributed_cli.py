@@ -72,7 +72,8 @@ def post(base: str, body: dict) -> dict:
 @pytest.mark.slow
 def test_serve_under_mlx_launch(models, capsys):
     """Rank 0 serves, the follower runs its steps: greedy answers equal one process, a stop string ends a
-    request early (the ranks stay in step for the next), a sampled request, then Ctrl-C ends both."""
+    request early (the ranks stay in step for the next), a sampled request, a JSON schema (rank 0's grammar)
+    as one process writes it, then Ctrl-C ends both."""
     model, draft = models
     port = free_ports(1)[0]
     cmd = [MLX_LAUNCH, "-n", "2", "--backend", "ring", "--starting-port", str(free_ports(1)[0]), "--", PYTHON, "-m",
@@ -98,6 +99,15 @@ def test_serve_under_mlx_launch(models, capsys):
         cut = post(base, {**body, "stop": [">"]})
         assert cut["choices"][0]["text"] == expected[: expected.index(">")]
         assert post(base, {**body, "temperature": 0.9, "seed": 5})["usage"]["completion_tokens"] >= 1
+        schema = {"type": "object", "properties": {"c": {"enum": ["red", "blue"]}, "s": {"type": "string", "maxLength": 6}},
+                  "required": ["c", "s"], "additionalProperties": False}
+        (model.parent / "schema.json").write_text(json.dumps(schema))
+        assert main(["generate", "--model", str(model), "--prompt-tokens", "3,4", "--json", "--max-tokens", "40",
+                     "--grammar", f"json:{model.parent / 'schema.json'}"]) == 0
+        constrained = json.loads(capsys.readouterr().out)["text"]
+        assert json.loads(constrained)["c"] in ("red", "blue")
+        fmt = {"type": "json_schema", "json_schema": {"name": "t", "schema": schema}}  # rank 0's grammar
+        assert post(base, {**body, "max_tokens": 40, "response_format": fmt})["choices"][0]["text"] == constrained
         again = post(base, body)
         assert again["choices"][0]["text"] == first["choices"][0]["text"]
     finally:

@@ -301,6 +301,7 @@ class Engine:
                 unsure = 0
                 if matcher is not None:  # cut at the first token the grammar forbids, before it is verified
                     draft, unsure = self._legal(draft)
+                draft = self._to_verify(draft)
                 k = draft.tokens.shape[0]
                 stats.unsure += unsure
                 stats.cut += proposed - k - unsure
@@ -418,6 +419,10 @@ class Engine:
         cut = probs is not None and n < len(sure_tokens)  # the grammar's cut: the forbidden token's q
         return Draft(draft.tokens[:n], probs[:n] if probs is not None else None, list(tokens[:n]),
                      cut_probs=probs[n : n + 1] if cut else None), len(tokens) - len(sure_tokens)
+
+    def _to_verify(self, draft: Draft) -> Draft:
+        """The draft the verify pass takes, as cut (a sharded target's rank 0 sends it to the other ranks here)."""
+        return draft
 
     def _draft_masks(self, draft: Draft, logits: mx.array):
         """The grammar's mask of every verified row, built on the host while the device runs the verify pass;

@@ -13,11 +13,14 @@ The overrides, each a phase of core/engine.py's cycle:
 - `_choose` while `_start` runs: the first token, shared (one collective per generation);
 - `_draft_length`: rank 0 keeps its k (at most KMAX); a follower reads the control packet (unless the
   verify pass just brought it) and takes rank 0's action;
-- `_feed_replay`, `_propose`: rank 0 sends the control packet (before a replay pass, if any, so the order
-  of collectives stays the same everywhere); followers take their drafts from it;
+- `_feed_replay`, `_to_verify`: rank 0 sends the control packet with the draft as cut (before a replay
+  pass, if any, so the order of collectives stays the same everywhere); followers take their drafts from it
+  (`_propose`);
 - `_accept`: rank 0 reads its acceptance result as on one machine and owes the verdict; a follower's
   one read is the next control packet;
 - `_plain`: plain.py's pipelined stretch.
+A grammar (structured output) is rank 0's alone: its matcher masks rank 0's choices, cuts and drafts rank
+0's drafts; the followers, which only take rank 0's drafts and verdicts, run without it.
 `generate` wraps the loop: the job for the server's followers, the fault guard, the end of a generation
 (rank 0 always tells the followers how it ends unless the end is theirs to see: a stop token, max_tokens).
 """
@@ -171,7 +174,8 @@ class DistributedEngine(Engine):
             if progress is not None and self.leader:
                 progress(done, total)
 
-        extra = {} if self.leader else {"profile_every": 0}
+        # a grammar is rank 0's alone: it masks what rank 0 chooses, and the other ranks take its choices
+        extra = {} if self.leader else {"profile_every": 0, "grammar": None}
         return dataclasses.replace(cfg, should_stop=shared_stop, on_prefill=on_prefill, **extra)
 
     def _end(self, cfg, closed: bool) -> None:
@@ -243,8 +247,6 @@ class DistributedEngine(Engine):
             super()._check_prompt(prompt, max_tokens)
 
     def _start(self, prompt, cfg, want_hidden):
-        if cfg.grammar is not None:  # each rank would need the same matcher state every cycle
-            raise DistributedError("structured output (a grammar) is not supported with a sharded target yet")
         self._first = True
         try:
             self.guard.beat("prefilling the prompt")
@@ -289,12 +291,7 @@ class DistributedEngine(Engine):
 
     def _propose(self, k: int, sampling, key, profile: bool) -> Draft:
         if self.leader:
-            draft = super()._propose(k, sampling, key, profile)
-            n = draft.tokens.shape[0]
-            action = packets.DRAFTS if self._drafts_next else packets.CYCLE
-            self._drafts_next = False
-            shared = self._send(Control(action, n), draft.tokens)
-            return dataclasses.replace(draft, tokens=mx.depends(draft.tokens, shared))  # verify after it
+            return super()._propose(k, sampling, key, profile)  # (sent once cut: `_to_verify`)
         c = self._stash
         self._stash = None
         if c.action == packets.DRAFTS_NEXT:
@@ -302,6 +299,14 @@ class DistributedEngine(Engine):
             if c.action != packets.DRAFTS:
                 raise DistributedError(f"expected rank 0's drafts, got a {packets.ACTIONS[c.action]} packet")
         return Draft(mx.array(c.drafts, dtype=mx.int32), None, list(c.drafts))
+
+    def _to_verify(self, draft: Draft) -> Draft:
+        if not self.leader:
+            return draft
+        action = packets.DRAFTS if self._drafts_next else packets.CYCLE
+        self._drafts_next = False
+        shared = self._send(Control(action, draft.tokens.shape[0]), draft.tokens)
+        return dataclasses.replace(draft, tokens=mx.depends(draft.tokens, shared))  # verify after it
 
     def _accept(self, logits, draft: Draft, sampling, profile: bool, masks=None):
         if self.leader:

@@ -1,7 +1,7 @@
 """A stretch of plainly decoded tokens over a sharded target, pipelined as core/engine.py's `_plain`.
 
 Every rank builds the same steps: step i+1's pass is built and started before token i is read. Rank 0
-samples each token and shares it in a plain-token packet (packets.py) that every rank's next step takes as
+samples each token (under a grammar, masked by its matcher) and shares it in a plain-token packet (packets.py) that every rank's next step takes as
 its input, lazily: one collective per token beside the model's, one host read per token on every rank.
 
 Who builds which step: a follower builds step i+1 before it reads token i, so it must know in advance that
@@ -55,7 +55,8 @@ class Stretch:
             if promise:
                 self.promised = max(self.promised, j + 2)
             context = window if sampling.penalized else None
-            token = e._choose(logits[-1:], context, self.no_draft, sampling, key)[1:2]
+            masks = e._matcher.mask() if e._matcher is not None else None  # (it has every token before)
+            token = e._choose(logits[-1:], context, self.no_draft, sampling, key, masks)[1:2]
             value = mx.concatenate([token, mx.array([int(promise), int(self.closing), 0], dtype=mx.int32)])
         with e.collective("token"):
             packet = share(e.group, value, TOKEN_WIDTH, after=[logits])
@@ -89,8 +90,11 @@ class Stretch:
             if promise:
                 self.promised = max(self.promised, i + 2)
             self.closing = self.closing or bool(closing)
-        if e.drafter is not None:
-            e.drafter.commit(Verdict(0, 0, [tok]), current_hidden[-1:] if self.want_hidden else None)
+        if e._matcher is not None:  # rank 0's grammar, before it masks the next step's token
+            e._matcher.consume([tok])
+        drafter = e._drafting  # (under a grammar, the grammar's drafter ahead of rank 0's)
+        if drafter is not None:
+            drafter.commit(Verdict(0, 0, [tok]), current_hidden[-1:] if self.want_hidden else None)
             if self.until is not None and not self.stopping and i + 2 < self.n and self.until():
                 self.stopping = True  # a member has a draft: no more promises
         if build:
