@@ -98,9 +98,13 @@ class CompileJob:
         if self.lib.exists():
             return
         self.dir.mkdir(parents=True, exist_ok=True)
-        (self.dir / "kernel.cpp").write_text(self.tu)
-        # unique temp output so that concurrent sessions never load a half-written library
-        self.tmp = self.dir / f"kernel.{os.getpid()}.{threading.get_ident()}.so"
+        # unique temp source and output so that concurrent sessions (test workers) never compile a half-written
+        # source or load a half-written library
+        unique = f"{os.getpid()}.{threading.get_ident()}"
+        source = self.dir / f"kernel.{unique}.cpp"
+        source.write_text(self.tu)
+        os.replace(source, self.dir / "kernel.cpp")
+        self.tmp = self.dir / f"kernel.{unique}.so"
         pch = _pch_dir(self.os_threads)
         includes = ([f"-I{pch}"] if pch else []) + [f"-I{EMU_DIR}"]
         cmd = [CXX, *self.flags, *includes, "-o", str(self.tmp), str(self.dir / "kernel.cpp")]

@@ -21,12 +21,10 @@ import json
 
 import llguidance
 
-from ..grammar.requests import _literal
+from ..grammar.requests import CALL_CLOSE, CALL_OPEN, _literal
 from ..grammar.spec import JSON_OPTIONS, GrammarError
 from .lark_items import text_until
 
-QWEN_OPEN, QWEN_CLOSE = "<tool_call>", "</tool_call>"
-GLM_OPEN, GLM_CLOSE = "<tool_call>", "</tool_call>"
 _COMPOSITE = ("anyOf", "oneOf", "allOf", "$ref", "properties", "items", "not")
 
 
@@ -44,11 +42,11 @@ def _value(schema: dict, defs: dict, text: str, closer: str) -> str:
     options = schema.get("enum", [schema["const"]] if "const" in schema else None)
     if options and all(isinstance(o, str) for o in options):
         return "(" + " | ".join(json.dumps(o) for o in options) + f") {closer}"
-    if _is_text(schema) and "enum" not in schema and "const" not in schema:
+    if _is_text(schema):
         return text
     if schema.get("type") == "boolean":  # JSON's, or Python's as a template's `| string` renders it
         return f'("true" | "false" | "True" | "False") {closer}'
-    full = {**schema, **({"$defs": defs} if defs and "$defs" not in schema else {}), "x-guidance": JSON_OPTIONS}
+    full = {**defs, **schema, "x-guidance": JSON_OPTIONS}  # (the parameters' definitions, for its $refs)
     return f"%json {json.dumps(full)} {closer}"
 
 
@@ -60,13 +58,13 @@ def _parameters(tool: dict) -> tuple[str, dict, dict, set]:
     params = fn.get("parameters") or {}
     if not isinstance(params, dict):
         raise GrammarError(f"tool {name!r}: parameters must be a JSON schema object")
-    defs = params.get("$defs") or params.get("definitions") or {}
+    defs = {k: params[k] for k in ("$defs", "definitions") if k in params}
     return name, params.get("properties") or {}, defs, set(params.get("required") or [])
 
 
 def _arguments(rule: str, tool: dict, item, text: str, closer: str) -> str:
     """`rule: ...` for `tool`'s arguments in declared order; `item(key_item, value_item)` writes one."""
-    name, props, defs, required = _parameters(tool)
+    _, props, defs, required = _parameters(tool)
     if not props:
         return f"{rule}: ({item('ANY_KEY', text)})*\n"
     parts = []
@@ -89,10 +87,10 @@ def qwen3_coder_calls(tools: list[dict], tokenizer: llguidance.LLTokenizer, para
         name = _parameters(tool)[0]
         rules.append(_arguments(f"args{i}", tool, item, text, closer))
         alts.append(f"{json.dumps(chr(10) + '<function=' + name + '>' + chr(10))} args{i}")
-    opener, close = _literal(QWEN_OPEN, tokenizer), _literal(QWEN_CLOSE, tokenizer)
+    opener, close = _literal(CALL_OPEN, tokenizer), _literal(CALL_CLOSE, tokenizer)
     call = f'({" | ".join(alts)}) "</function>\\n" {close}'
     more = f' ("\\n" {opener} call)*' if parallel else ""
-    return QWEN_OPEN, f"rest: call{more}\ncall: {call}\n" + "".join(rules)
+    return CALL_OPEN, f"rest: call{more}\ncall: {call}\n" + "".join(rules)
 
 
 def glm47_calls(tools: list[dict], tokenizer: llguidance.LLTokenizer, parallel: bool) -> tuple[str, str]:
@@ -109,7 +107,7 @@ def glm47_calls(tools: list[dict], tokenizer: llguidance.LLTokenizer, parallel: 
         name = _parameters(tool)[0]
         rules.append(_arguments(f"args{i}", tool, item, text, closer))
         alts.append(f"{json.dumps(name)} args{i}")
-    opener, close = _literal(GLM_OPEN, tokenizer), _literal(GLM_CLOSE, tokenizer)
+    opener, close = _literal(CALL_OPEN, tokenizer), _literal(CALL_CLOSE, tokenizer)
     call = f'({" | ".join(alts)}) "\\n"? {close}'
     more = f' ("\\n"? {opener} call)*' if parallel else ""
-    return GLM_OPEN, f"rest: call{more}\ncall: {call}\n" + "".join(rules)
+    return CALL_OPEN, f"rest: call{more}\ncall: {call}\n" + "".join(rules)
