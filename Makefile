@@ -15,11 +15,15 @@ $(STAMP): pyproject.toml scripts/setup_env.sh
 chat: $(STAMP)
 	$(PY) -m app $(ARGS)
 
+# The suite runs on every core (pytest-xdist), a test file per worker (its module fixtures built once); -rs
+# lists why a test was skipped. PYTEST_ARGS="-n 0" runs it in one process.
+XDIST := -n auto --dist loadfile -rs
+
 test: $(STAMP)
-	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+	$(PY) -m pytest -m "not slow" $(XDIST) $(PYTEST_ARGS)
 
 test-slow: $(STAMP)
-	$(PY) -m pytest -m slow $(PYTEST_ARGS); rc=$$?; [ $$rc -eq 0 ] || [ $$rc -eq 5 ]
+	$(PY) -m pytest -m slow $(XDIST) $(PYTEST_ARGS); rc=$$?; [ $$rc -eq 0 ] || [ $$rc -eq 5 ]
 
 test-all: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)
