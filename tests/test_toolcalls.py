@@ -151,9 +151,11 @@ def _calls_in(text: str, fmt) -> list:
 
 
 QWEN3_CODER, GLM47 = mlx_lm_format("qwen3_coder"), mlx_lm_format("glm47")
+KIMI_K2, MISTRAL = mlx_lm_format("kimi_k2"), mlx_lm_format("mistral")
+CONSTRAINED = [JSON, GENERIC, DEEPSEEK, KIMI_K2, MISTRAL, QWEN3_CODER, GLM47]
 
 
-@pytest.mark.parametrize("fmt", [JSON, GENERIC, DEEPSEEK, LLAMA3, QWEN3_CODER, GLM47], ids=lambda f: f.name)
+@pytest.mark.parametrize("fmt", CONSTRAINED + [LLAMA3], ids=lambda f: f.name)
 def test_a_forced_call_s_grammar_writes_the_family_s_format(fmt):
     """Walk the grammar to its end (a valid call of `add`), then parse the text as the family's call."""
     import numpy as np
@@ -205,10 +207,12 @@ def _ends_here(m) -> bool:
 
 BAD_ADD = {"json": '\n{"name": "add", "arguments": {"b": "x"', "generic": '\n{"name": "add", "arguments": {"b": "x"',
            "deepseek_v3": '<｜tool▁call▁begin｜>function<｜tool▁sep｜>add\n```json\n{"b": "x"',
-           "qwen3_coder": "\n<function=add>\n<parameter=b>\nx", "glm47": "add<arg_key>b</arg_key><arg_value>x"}
+           "qwen3_coder": "\n<function=add>\n<parameter=b>\nx", "glm47": "add<arg_key>b</arg_key><arg_value>x",
+           "kimi_k2": '<|tool_call_begin|>functions.add:0<|tool_call_argument_begin|>{"b": "x"',
+           "mistral": '[TOOL_CALLS]add[ARGS]{"b": "x"'}
 
 
-@pytest.mark.parametrize("fmt", [JSON, GENERIC, DEEPSEEK, QWEN3_CODER, GLM47], ids=lambda f: f.name)
+@pytest.mark.parametrize("fmt", CONSTRAINED, ids=lambda f: f.name)
 def test_an_optional_call_s_grammar_takes_free_text_then_calls_held_to_the_schema(fmt):
     import numpy as np
     from mlx_engine.grammar import GrammarViolation
@@ -292,6 +296,31 @@ def test_xml_calls_hold_each_argument_to_its_parameter_s_schema(fmt, newlines):
     m = loose.matcher()  # a tool not marked strict: any parameters, text values
     m.consume(gu.encode(_xml_call(fmt, {"anything": "goes", "mode": "delete"}, newlines)))
     assert _ends_here(m)
+
+
+@pytest.mark.parametrize("fmt,text", [
+    (DEEPSEEK, PUBLISHED[1][1][PUBLISHED[1][1].index(DEEPSEEK.start):]),  # V3's form, two calls
+    (DEEPSEEK, '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Oslo", "unit": "f"}'
+               '<｜tool▁call▁end｜><｜tool▁call▁begin｜>add<｜tool▁sep｜>{"b": 2, "a": 1}<｜tool▁call▁end｜><｜tool▁calls▁end｜>'),  # V3.1's
+    (KIMI_K2, '<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>'
+              '{"city": "Paris", "unit": "c"}<|tool_call_end|><|tool_call_begin|>functions.add:1'
+              '<|tool_call_argument_begin|>{"b": 2, "a": 1}<|tool_call_end|><|tool_calls_section_end|>'),
+    (MISTRAL, '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "unit": "c"}[TOOL_CALLS]add[ARGS]{"b": 2, "a": 1}'),
+    (MISTRAL, '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}, '
+              '{"name": "add", "arguments": {"b": 2, "a": 1}}]'),  # the older list form
+], ids=["deepseek_v3", "deepseek_v31", "kimi_k2", "mistral", "mistral_list"])
+def test_each_family_s_published_calls_are_what_its_forced_grammar_allows(fmt, text):
+    from mlx_engine.grammar import GrammarViolation
+
+    g = forced_call(fmt, [WEATHER, ADD], gu.llg_tokenizer())
+    m = g.matcher()
+    m.consume(gu.encode(text))
+    assert _ends_here(m)
+    assert [c[0] for c in split(fmt, text, [], tools=[WEATHER, ADD])[2]] == ["get_weather", "add"]
+    one = forced_call(fmt, [WEATHER, ADD], gu.llg_tokenizer(), parallel=False).matcher()
+    with pytest.raises(GrammarViolation):  # one call only
+        one.consume(gu.encode(text))
+        one.consume([gu.eos()])
 
 
 def test_llama3_auto_is_text_or_one_call_held_to_the_schema():

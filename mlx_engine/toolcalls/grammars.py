@@ -9,69 +9,39 @@
   the opener is text, it is one lexeme with the free text before it (`OPENING`: text ending at the first
   opener), so the lexer never has to decide between "more free text" and "the opener starts here".
 
-The formats: JSON bodies (json, generic), DeepSeek's calls block, Llama 3's bare JSON, and the XML-like
-qwen3_coder and glm47 (xml_grammars.py). mlx-lm's other parsers (pythonic, kimi_k2, mistral, gemma4, ...)
-have none: their calls are parsed, not constrained (README says which). Llama 3's calls have no opener (the
-answer is the call's JSON): under auto its text may not begin with `{` (nor `<` where `<|python_tag|>` is
-text), which is where its parser would read a call.
+The formats: with JSON arguments (json_grammars.py) json, generic, deepseek_v3 (V3 and V3.1), kimi_k2,
+mistral and Llama 3's bare JSON; the XML-like qwen3_coder and glm47 (xml_grammars.py). mlx-lm's other parsers
+(pythonic, minimax_m2, gemma4, ...) have none: their calls are parsed, not constrained (README says which).
+Llama 3's calls have no opener (the answer is the call's JSON): under auto its text may not begin with `{`
+(nor `<` where `<|python_tag|>` is text), which is where its parser would read a call.
 """
 
 from __future__ import annotations
 
-import json
-
 import llguidance
 
-from ..grammar.requests import CALL_CLOSE, CALL_OPEN, _literal, tool_call_schema
-from ..grammar.spec import JSON_OPTIONS, Grammar, GrammarError, _checked
-from .formats import (DEEPSEEK, DS_CALL_BEGIN, DS_CALL_END, DS_CALLS_BEGIN, DS_CALLS_END, DS_SEP, GENERIC, JSON, LLAMA3,
-                      PYTHON_TAG)
+from ..grammar.requests import _literal
+from ..grammar.spec import Grammar, GrammarError, _checked
+from .formats import LLAMA3, PYTHON_TAG
+from .json_grammars import deepseek_calls, json_block_calls, kimi_k2_calls, llama3_call, mistral_calls
 from .lark_items import text_until, text_without
 from .xml_grammars import glm47_calls, qwen3_coder_calls
-
-
-def _one_of(schemas: list[dict]) -> str:
-    schema = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
-    return json.dumps({**schema, "x-guidance": JSON_OPTIONS})
 
 
 def _names(tools: list[dict]) -> str:
     return ", ".join(repr(t.get("function", t).get("name")) for t in tools)
 
 
+BUILDERS = {"json": json_block_calls, "generic": json_block_calls, "deepseek_v3": deepseek_calls,
+            "kimi_k2": kimi_k2_calls, "mistral": mistral_calls, "qwen3_coder": qwen3_coder_calls,
+            "glm47": glm47_calls}  # format name -> its call rules (json_grammars.py, xml_grammars.py)
+
+
 def _calls(fmt, tools: list[dict], tokenizer: llguidance.LLTokenizer, parallel: bool) -> tuple[str, str] | None:
     """(the text that opens the calls, Lark rules whose `rest` is everything after it to the end of the
-    calls), or None for a format without an opener."""
-    if fmt in (JSON, GENERIC) or fmt.name in ("json", "generic"):
-        one = f'"\\n" %json {_one_of([tool_call_schema(t) for t in tools])} "\\n" {_literal(CALL_CLOSE, tokenizer)}'
-        more = f' ("\\n" {_literal(CALL_OPEN, tokenizer)} {one})*' if parallel else ""
-        return CALL_OPEN, f"rest: {one}{more}\n"
-    if fmt is DEEPSEEK:  # V3's form: function<sep>NAME\n```json\n{args}\n```
-        alts = []
-        for t in tools:
-            s = tool_call_schema(t)
-            name = s["properties"]["name"]["const"]
-            args = json.dumps({**s["properties"]["arguments"], "x-guidance": JSON_OPTIONS})
-            alts.append(f'{_literal(DS_CALL_BEGIN, tokenizer)} "function" {_literal(DS_SEP, tokenizer)} '
-                        f'{json.dumps(name + chr(10) + "```json" + chr(10))} %json {args} '
-                        f'"\\n```" {_literal(DS_CALL_END, tokenizer)}')
-        many = "call+" if parallel else "call"
-        call = " | ".join(f"({a})" for a in alts)
-        return DS_CALLS_BEGIN, f"rest: {many} {_literal(DS_CALLS_END, tokenizer)}\ncall: {call}\n"
-    if fmt.name == "qwen3_coder":
-        return qwen3_coder_calls(tools, tokenizer, parallel)
-    if fmt.name == "glm47":
-        return glm47_calls(tools, tokenizer, parallel)
-    return None
-
-
-def _llama3_call(tools: list[dict]) -> str:
-    """Llama 3's call: the JSON {"name": ..., "parameters": {...}} of one of `tools`."""
-    schemas = [{"type": "object", "properties": {"name": {"const": s["properties"]["name"]["const"]},
-                                                 "parameters": s["properties"]["arguments"]},
-                "required": ["name", "parameters"], "additionalProperties": False}
-               for s in map(tool_call_schema, tools)]
-    return f"%json {_one_of(schemas)}"
+    calls), or None for a format without call rules (or without an opener: Llama 3)."""
+    build = BUILDERS.get(fmt.name)
+    return build(tools, tokenizer, parallel) if build is not None else None
 
 
 def _compiled(lark: str, tokenizer: llguidance.LLTokenizer, tools: list[dict]) -> Grammar:
@@ -88,7 +58,7 @@ def forced_call(fmt, tools: list[dict], tokenizer: llguidance.LLTokenizer, paral
     if not tools:
         raise GrammarError("tool_choice forces a call but no tools are given")
     if fmt is LLAMA3:
-        return _compiled(f"start: {_llama3_call(tools)}\n", tokenizer, tools)
+        return _compiled(f"start: {llama3_call(tools)}\n", tokenizer, tools)
     spec = _calls(fmt, tools, tokenizer, parallel)
     if spec is None:
         return None
@@ -106,7 +76,7 @@ def optional_calls(fmt, tools: list[dict], tokenizer: llguidance.LLTokenizer, pa
     if fmt is LLAMA3:  # no opener: the answer is text, or it is the call (maybe after <|python_tag|>)
         tag = _literal(PYTHON_TAG, tokenizer)
         lead = "{" if tag.startswith("<[") else "{<"  # text may not begin like a call
-        return _compiled(f"start: FREE | {tag}? {_llama3_call(tools)}\nFREE: /\\s*[^\\s{lead}](?s:.*)/\n",
+        return _compiled(f"start: FREE | {tag}? {llama3_call(tools)}\nFREE: /\\s*[^\\s{lead}](?s:.*)/\n",
                          tokenizer, tools)
     spec = _calls(fmt, tools, tokenizer, parallel)
     if spec is None:
