@@ -151,8 +151,8 @@ def _calls_in(text: str, fmt) -> list:
 
 
 QWEN3_CODER, GLM47 = mlx_lm_format("qwen3_coder"), mlx_lm_format("glm47")
-KIMI_K2, MISTRAL = mlx_lm_format("kimi_k2"), mlx_lm_format("mistral")
-CONSTRAINED = [JSON, GENERIC, DEEPSEEK, KIMI_K2, MISTRAL, QWEN3_CODER, GLM47]
+KIMI_K2, MISTRAL, MINIMAX = mlx_lm_format("kimi_k2"), mlx_lm_format("mistral"), mlx_lm_format("minimax_m2")
+CONSTRAINED = [JSON, GENERIC, DEEPSEEK, KIMI_K2, MISTRAL, QWEN3_CODER, GLM47, MINIMAX]
 
 
 @pytest.mark.parametrize("fmt", CONSTRAINED + [LLAMA3], ids=lambda f: f.name)
@@ -209,7 +209,7 @@ BAD_ADD = {"json": '\n{"name": "add", "arguments": {"b": "x"', "generic": '\n{"n
            "deepseek_v3": '<｜tool▁call▁begin｜>function<｜tool▁sep｜>add\n```json\n{"b": "x"',
            "qwen3_coder": "\n<function=add>\n<parameter=b>\nx", "glm47": "add<arg_key>b</arg_key><arg_value>x",
            "kimi_k2": '<|tool_call_begin|>functions.add:0<|tool_call_argument_begin|>{"b": "x"',
-           "mistral": '[TOOL_CALLS]add[ARGS]{"b": "x"'}
+           "mistral": '[TOOL_CALLS]add[ARGS]{"b": "x"', "minimax_m2": '\n<invoke name="add">\n<parameter name="b">x'}
 
 
 @pytest.mark.parametrize("fmt", CONSTRAINED, ids=lambda f: f.name)
@@ -254,14 +254,18 @@ def _xml_call(fmt, args: dict, glm_newlines: bool = False) -> str:
     if fmt is QWEN3_CODER:
         body = "".join(f"<parameter={k}>\n{text(v)}\n</parameter>\n" for k, v in args.items())
         return f"<tool_call>\n<function=edit>\n{body}</function>\n</tool_call>"
+    if fmt is MINIMAX:  # (its template: tojson for what is not a string)
+        body = "".join(f'<parameter name="{k}">{v if isinstance(v, str) else json.dumps(v)}</parameter>\n'
+                       for k, v in args.items())
+        return f'<minimax:tool_call>\n<invoke name="edit">\n{body}</invoke>\n</minimax:tool_call>'
     nl = "\n" if glm_newlines else ""
     body = "".join(f"{nl}<arg_key>{k}</arg_key>{nl}<arg_value>{v if isinstance(v, str) else json.dumps(v)}</arg_value>"
                    for k, v in args.items())
     return f"<tool_call>edit{body}{nl}</tool_call>"
 
 
-@pytest.mark.parametrize("fmt,newlines", [(QWEN3_CODER, False), (GLM47, False), (GLM47, True)],
-                         ids=["qwen3_coder", "glm47", "glm45"])
+@pytest.mark.parametrize("fmt,newlines", [(QWEN3_CODER, False), (GLM47, False), (GLM47, True), (MINIMAX, False)],
+                         ids=["qwen3_coder", "glm47", "glm45", "minimax_m2"])
 def test_xml_calls_hold_each_argument_to_its_parameter_s_schema(fmt, newlines):
     """Strings as raw text (quotes, newlines, tags other than the closer kept), enums, booleans, a $ref'd object;
     the call parses back into the arguments; a wrong enum, a missing required or an unknown parameter, an

@@ -159,13 +159,36 @@ def mlx_lm_format(module_name: str) -> ToolFormat:
 
     def parse(body: str, tools=None) -> list[Call]:
         try:
-            out = mod.parse_tool_call(body, tools)
+            out = mod.parse_tool_call(body, _refs_resolved(tools) if tools else tools)
         except Exception as e:  # each parser raises its own errors on text that is not a call
             raise ToolCallError(f"{module_name}: {e}") from None
         out = out if isinstance(out, list) else [out]
         return [Call(c["name"], _json_text(c.get("arguments", {}))) for c in out]
 
     return ToolFormat(module_name, mod.tool_call_start, mod.tool_call_end, True, parse)
+
+
+def _refs_resolved(tools: list) -> list:
+    """`tools` with each parameter that is a local $ref ("#/$defs/X", "#/definitions/X") replaced by the schema
+    it names: mlx-lm's parsers read a parameter's type to convert its text, and some read no $ref (MiniMax's
+    would keep a referenced object as a string)."""
+    out = []
+    for tool in tools:
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        params = fn.get("parameters") if isinstance(fn, dict) else None
+        if not isinstance(params, dict) or not isinstance(params.get("properties"), dict):
+            out.append(tool)
+            continue
+        props = {}
+        for key, schema in params["properties"].items():
+            ref = schema.get("$ref") if isinstance(schema, dict) else None
+            if isinstance(ref, str) and ref.count("/") == 2 and ref.split("/")[1] in ("$defs", "definitions"):
+                named = (params.get(ref.split("/")[1]) or {}).get(ref.split("/")[2])
+                if isinstance(named, dict):
+                    schema = {**named, **{k: v for k, v in schema.items() if k != "$ref"}}
+            props[key] = schema
+        out.append({**tool, "function": {**fn, "parameters": {**params, "properties": props}}})
+    return out
 
 
 def _template(tokenizer) -> str:

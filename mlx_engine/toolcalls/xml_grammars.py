@@ -3,6 +3,8 @@
 - `qwen3_coder` (Qwen3-Coder, Qwen3.5 / 3.6; their templates write):
   `<tool_call>\\n<function=NAME>\\n<parameter=KEY>\\nVALUE\\n</parameter>\\n...</function>\\n</tool_call>`,
   calls of one answer separated by "\\n".
+- `minimax_m2` (MiniMax-M2): `<minimax:tool_call>\\n<invoke name="NAME">\\n<parameter name="KEY">VALUE</parameter>
+  \\n...</invoke>\\n</minimax:tool_call>`, one invoke per call; the newlines optional.
 - `glm47` (GLM-4.5 ... 5): `<tool_call>NAME<arg_key>KEY</arg_key><arg_value>VALUE</arg_value>...</tool_call>`;
   GLM-4.5 / 4.6's templates put a newline before each tag and GLM-4.7's none, so the grammar lets the model
   write either.
@@ -111,3 +113,24 @@ def glm47_calls(tools: list[dict], tokenizer: llguidance.LLTokenizer, parallel: 
     call = f'({" | ".join(alts)}) "\\n"? {close}'
     more = f' ("\\n"? {opener} call)*' if parallel else ""
     return CALL_OPEN, f"rest: call{more}\ncall: {call}\n" + "".join(rules)
+
+
+MINIMAX_OPEN, MINIMAX_CLOSE = "<minimax:tool_call>", "</minimax:tool_call>"
+
+
+def minimax_m2_calls(tools: list[dict], tokenizer: llguidance.LLTokenizer, parallel: bool) -> tuple[str, str]:
+    """(the opener, Lark rules whose `rest` is everything after it to the end of the calls)."""
+    text, terminal = text_until("INVOKE_TEXT", "</parameter>", tokenizer)
+
+    def item(key, value):
+        return f'"<parameter name=\\"" {key} "\\">" {value} "\\n"?'
+
+    rules, alts = [terminal, 'ANY_KEY: /[^\\s<>"]+/\n'], []
+    for i, tool in enumerate(tools):
+        name = _parameters(tool)[0]
+        rules.append(_arguments(f"args{i}", tool, item, text, '"</parameter>"'))
+        alts.append(f'{json.dumps("<invoke name=" + json.dumps(name) + ">")} "\\n"? args{i}')
+    invoke = f'({" | ".join(alts)}) "</invoke>" "\\n"?'
+    many = "invoke+" if parallel else "invoke"
+    return MINIMAX_OPEN, (f'rest: "\\n"? {many} {_literal(MINIMAX_CLOSE, tokenizer)}\ninvoke: {invoke}\n'
+                          + "".join(rules))
