@@ -152,7 +152,8 @@ def _calls_in(text: str, fmt) -> list:
 
 QWEN3_CODER, GLM47 = mlx_lm_format("qwen3_coder"), mlx_lm_format("glm47")
 KIMI_K2, MISTRAL, MINIMAX = mlx_lm_format("kimi_k2"), mlx_lm_format("mistral"), mlx_lm_format("minimax_m2")
-CONSTRAINED = [JSON, GENERIC, DEEPSEEK, KIMI_K2, MISTRAL, QWEN3_CODER, GLM47, MINIMAX]
+GEMMA4 = mlx_lm_format("gemma4")
+CONSTRAINED = [JSON, GENERIC, DEEPSEEK, KIMI_K2, MISTRAL, QWEN3_CODER, GLM47, MINIMAX, GEMMA4]
 
 
 @pytest.mark.parametrize("fmt", CONSTRAINED + [LLAMA3], ids=lambda f: f.name)
@@ -209,7 +210,8 @@ BAD_ADD = {"json": '\n{"name": "add", "arguments": {"b": "x"', "generic": '\n{"n
            "deepseek_v3": '<｜tool▁call▁begin｜>function<｜tool▁sep｜>add\n```json\n{"b": "x"',
            "qwen3_coder": "\n<function=add>\n<parameter=b>\nx", "glm47": "add<arg_key>b</arg_key><arg_value>x",
            "kimi_k2": '<|tool_call_begin|>functions.add:0<|tool_call_argument_begin|>{"b": "x"',
-           "mistral": '[TOOL_CALLS]add[ARGS]{"b": "x"', "minimax_m2": '\n<invoke name="add">\n<parameter name="b">x'}
+           "mistral": '[TOOL_CALLS]add[ARGS]{"b": "x"', "minimax_m2": '\n<invoke name="add">\n<parameter name="b">x',
+           "gemma4": 'call:add{a:<|"|>x'}
 
 
 @pytest.mark.parametrize("fmt", CONSTRAINED, ids=lambda f: f.name)
@@ -254,6 +256,14 @@ def _xml_call(fmt, args: dict, glm_newlines: bool = False) -> str:
     if fmt is QWEN3_CODER:
         body = "".join(f"<parameter={k}>\n{text(v)}\n</parameter>\n" for k, v in args.items())
         return f"<tool_call>\n<function=edit>\n{body}</function>\n</tool_call>"
+    if fmt is GEMMA4:  # strings between <|"|> marks, keys bare (in the order given)
+        def gemma(v):
+            if isinstance(v, str):
+                return f'<|"|>{v}<|"|>'
+            if isinstance(v, dict):
+                return "{" + ",".join(f"{k}:{gemma(x)}" for k, x in v.items()) + "}"
+            return json.dumps(v)
+        return f"<|tool_call>call:edit{gemma(args)}<tool_call|>"
     if fmt is MINIMAX:  # (its template: tojson for what is not a string)
         body = "".join(f'<parameter name="{k}">{v if isinstance(v, str) else json.dumps(v)}</parameter>\n'
                        for k, v in args.items())
@@ -264,8 +274,8 @@ def _xml_call(fmt, args: dict, glm_newlines: bool = False) -> str:
     return f"<tool_call>edit{body}{nl}</tool_call>"
 
 
-@pytest.mark.parametrize("fmt,newlines", [(QWEN3_CODER, False), (GLM47, False), (GLM47, True), (MINIMAX, False)],
-                         ids=["qwen3_coder", "glm47", "glm45", "minimax_m2"])
+@pytest.mark.parametrize("fmt,newlines", [(QWEN3_CODER, False), (GLM47, False), (GLM47, True), (MINIMAX, False),
+                                          (GEMMA4, False)], ids=["qwen3_coder", "glm47", "glm45", "minimax_m2", "gemma4"])
 def test_xml_calls_hold_each_argument_to_its_parameter_s_schema(fmt, newlines):
     """Strings as raw text (quotes, newlines, tags other than the closer kept), enums, booleans, a $ref'd object;
     the call parses back into the arguments; a wrong enum, a missing required or an unknown parameter, an
@@ -275,21 +285,21 @@ def test_xml_calls_hold_each_argument_to_its_parameter_s_schema(fmt, newlines):
     from mlx_engine.grammar import GrammarViolation
     from mlx_engine.toolcalls.grammars import forced_call, optional_calls, strict_view
 
+    edit = dict(sorted(EDIT_ARGS.items())) if fmt is GEMMA4 else EDIT_ARGS  # (Gemma 4's template sorts keys)
     for g in (forced_call(fmt, [EDIT, ADD], gu.llg_tokenizer()), optional_calls(fmt, [EDIT, ADD], gu.llg_tokenizer())):
-        text = _xml_call(fmt, EDIT_ARGS, newlines)
+        text = _xml_call(fmt, edit, newlines)
         m = g.matcher()
         m.consume(gu.encode(text))
         assert _ends_here(m)
         (name, args), = split(fmt, text, [], tools=[EDIT])[2]
         assert name == "edit" and json.loads(args) == EDIT_ARGS
         validate(json.loads(args), EDIT["function"]["parameters"])
-        without = {k: v for k, v in EDIT_ARGS.items() if k not in ("dry", "note")}  # optional ones left out
+        without = {k: v for k, v in edit.items() if k not in ("dry", "note")}  # optional ones left out
         m = g.matcher()
         m.consume(gu.encode(_xml_call(fmt, without, newlines)))
         assert _ends_here(m)
-        for bad in ({**EDIT_ARGS, "mode": "delete"}, {k: v for k, v in EDIT_ARGS.items() if k != "mode"},
-                    {**EDIT_ARGS, "extra": "1"}, {**EDIT_ARGS, "at": {"line": "3"}},
-                    dict(reversed(list(EDIT_ARGS.items())))):
+        for bad in ({**edit, "mode": "delete"}, {k: v for k, v in edit.items() if k != "mode"},
+                    {**edit, "extra": "1"}, {**edit, "at": {"line": "3"}}, dict(reversed(list(edit.items())))):
             m = g.matcher()
             with pytest.raises(GrammarViolation):
                 m.consume(gu.encode(_xml_call(fmt, bad, newlines)))

@@ -10,8 +10,8 @@
   opener), so the lexer never has to decide between "more free text" and "the opener starts here".
 
 The formats: with JSON arguments (json_grammars.py) json, generic, deepseek_v3 (V3 and V3.1), kimi_k2,
-mistral and Llama 3's bare JSON; the XML-like qwen3_coder, glm47 and minimax_m2 (xml_grammars.py). mlx-lm's
-other parsers (pythonic, gemma4, ...) have none: their calls are parsed, not constrained (README says which).
+mistral and Llama 3's bare JSON; the XML-like qwen3_coder, glm47 and minimax_m2 (xml_grammars.py); Gemma 4's
+(gemma4_grammar.py). mlx-lm's other parsers (pythonic, function_gemma, ...) have none: their calls are parsed, not constrained (README says which).
 Llama 3's calls have no opener (the answer is the call's JSON): under auto its text may not begin with `{`
 (nor `<` where `<|python_tag|>` is text), which is where its parser would read a call.
 """
@@ -23,6 +23,7 @@ import llguidance
 from ..grammar.requests import _literal
 from ..grammar.spec import Grammar, GrammarError, _checked
 from .formats import LLAMA3, PYTHON_TAG
+from .gemma4_grammar import gemma4_calls
 from .json_grammars import deepseek_calls, json_block_calls, kimi_k2_calls, llama3_call, mistral_calls
 from .lark_items import text_until, text_without
 from .xml_grammars import glm47_calls, minimax_m2_calls, qwen3_coder_calls
@@ -35,7 +36,7 @@ def _names(tools: list[dict]) -> str:
 # format name -> its call rules (json_grammars.py, xml_grammars.py)
 BUILDERS = {"json": json_block_calls, "generic": json_block_calls, "deepseek_v3": deepseek_calls,
             "kimi_k2": kimi_k2_calls, "mistral": mistral_calls, "qwen3_coder": qwen3_coder_calls,
-            "glm47": glm47_calls, "minimax_m2": minimax_m2_calls}
+            "glm47": glm47_calls, "minimax_m2": minimax_m2_calls, "gemma4": gemma4_calls}
 
 
 def _calls(fmt, tools: list[dict], tokenizer: llguidance.LLTokenizer, parallel: bool) -> tuple[str, str] | None:

@@ -1,0 +1,120 @@
+"""Lark rules for Gemma 4's calls, each argument held to its parameter's schema.
+
+Gemma 4's template writes a call as `<|tool_call>call:NAME{key:VALUE,key:VALUE}<tool_call|>` (calls of one
+answer back to back): keys bare and in sorted order (its `dictsort`), strings between `<|"|>` marks, numbers,
+true / false / null as JSON writes them, arrays `[a,b]` and objects `{k:v}` of the same values, no spaces.
+mlx-lm's gemma4 parser reads that back by quoting the keys and the marked strings into JSON.
+
+The value of a schema: an enum or const of strings as one of its strings (marked), a string as any text
+between the marks (its pattern and length not held), integer / number / boolean / null as JSON (bounds held),
+an array of its
+items' values, an object of its declared properties (sorted, the required ones always, commas only between
+members), anyOf / oneOf / a list of types as one of them, a local $ref as what it names; anything else (an
+object without properties, no type at all) as any Gemma value.
+"""
+
+from __future__ import annotations
+
+import json
+
+import llguidance
+
+from ..grammar.requests import _literal
+from ..grammar.spec import JSON_OPTIONS, GrammarError
+from .lark_items import text_until
+
+OPEN, CLOSE, QUOTE = "<|tool_call>", "<tool_call|>", '<|"|>'
+TERMINALS = ('NUMBER: /-?(0|[1-9][0-9]*)(\\.[0-9]+)?([eE][+-]?[0-9]+)?/\n'
+             'ANY_KEY: /[A-Za-z_][A-Za-z0-9_]*/\n')
+
+
+class _Writer:
+    """Builds the Lark items of schemas' values, with the rules they need (`any` for any value)."""
+
+    def __init__(self, tokenizer: llguidance.LLTokenizer):
+        self.defs: dict = {}  # the current tool's $defs / definitions
+        self.quote = _literal(QUOTE, tokenizer)
+        closed, self.text_rule = text_until("MARKED_TEXT", QUOTE, tokenizer)  # text, then the closing mark
+        self.string = f"{self.quote} {closed}"
+
+    def marked(self, text: str) -> str:
+        return f"{self.quote} {json.dumps(text)} {self.quote}"
+
+    def value(self, schema) -> str:
+        if schema is True or schema == {}:
+            return "any"
+        if not isinstance(schema, dict):
+            raise GrammarError(f"a parameter's schema must be an object, got {schema!r}")
+        ref = schema.get("$ref")
+        if isinstance(ref, str):
+            parts = ref.split("/")
+            named = self.defs.get(parts[1], {}).get(parts[2]) if len(parts) == 3 and parts[0] == "#" else None
+            if not isinstance(named, dict):
+                raise GrammarError(f"a $ref the Gemma 4 call grammar cannot resolve: {ref!r}")
+            return self.value({**named, **{k: v for k, v in schema.items() if k != "$ref"}})
+        options = schema.get("enum", [schema["const"]] if "const" in schema else None)
+        if options is not None:
+            return "(" + " | ".join(self.marked(o) if isinstance(o, str) else json.dumps(json.dumps(o))
+                                    for o in options) + ")"
+        for key in ("anyOf", "oneOf"):
+            if isinstance(schema.get(key), list):
+                return "(" + " | ".join(self.value(s) for s in schema[key]) + ")"
+        kind = schema.get("type")
+        if isinstance(kind, list):
+            return "(" + " | ".join(self.value({**schema, "type": k}) for k in kind) + ")"
+        if kind == "string":
+            return self.string
+        if kind in ("integer", "number", "boolean", "null"):  # written as JSON writes them: its bounds held
+            return f"%json {json.dumps({**schema, 'x-guidance': JSON_OPTIONS})}"
+        if kind == "array":
+            item = self.value(schema.get("items", {}))
+            return f'"[" ({item} ("," {item})*)? "]"'
+        if kind == "object" and schema.get("properties"):
+            return self.members(schema["properties"], set(schema.get("required") or []))
+        return "any"
+
+    def members(self, props: dict, required: set) -> str:
+        """`{k:v,...}` of `props` in sorted key order, the required ones always, commas only between."""
+        keys = sorted(props)
+        items = [f"{json.dumps(k + ':')} {self.value(props[k])}" for k in keys]
+
+        def after(i: int) -> str:  # members i.. once one was written: each with its comma
+            if i == len(keys):
+                return ""
+            one = f'"," {items[i]}'
+            return (f"{one} " if keys[i] in required else f"({one})? ") + after(i + 1)
+
+        def first(i: int) -> str:  # members i.. with none written yet
+            if i == len(keys):
+                return ""
+            here = f"{items[i]} {after(i + 1)}".strip()
+            if keys[i] in required:
+                return here
+            rest = first(i + 1)
+            return f"({here} | {rest})" if rest else f"({here})?"
+
+        return f'"{{" {first(0)} "}}"'
+
+    def rules(self) -> str:
+        any_member = 'ANY_KEY ":" any'
+        return (f'any: {self.string} | NUMBER | "true" | "false" | "null" | "[" (any ("," any)*)? "]" '
+                f'| "{{" ({any_member} ("," {any_member})*)? "}}"\n' + self.text_rule + TERMINALS)
+
+
+def gemma4_calls(tools: list[dict], tokenizer: llguidance.LLTokenizer, parallel: bool) -> tuple[str, str]:
+    """(the opener, Lark rules whose `rest` is everything after it to the end of the calls)."""
+    alts, writer = [], _Writer(tokenizer)
+    for tool in tools:
+        fn = tool.get("function", tool)
+        name, params = fn.get("name"), fn.get("parameters") or {}
+        if not isinstance(name, str) or not name or not isinstance(params, dict):
+            raise GrammarError(f"a tool without a name or with parameters that are no schema: {fn!r}")
+        writer.defs = {k: params[k] for k in ("$defs", "definitions") if k in params}
+        args = (writer.members(params["properties"], set(params.get("required") or []))
+                if params.get("properties") else writer.value({"type": "object"}))
+        args = args if args != "any" else f'"{{" (ANY_KEY ":" any ("," ANY_KEY ":" any)*)? "}}"'
+        alts.append(f"{json.dumps('call:' + name)} {args}")
+    opener, close = _literal(OPEN, tokenizer), _literal(CLOSE, tokenizer)
+    call = f"({' | '.join(f'({a})' for a in alts)}) {close}"
+    more = f" ({opener} call)*" if parallel else ""
+    return OPEN, f"rest: call{more}\ncall: {call}\n" + writer.rules()
