@@ -1,8 +1,9 @@
 """A stretch of plainly decoded tokens over a sharded target, pipelined as core/engine.py's `_plain`.
 
 Every rank builds the same steps: step i+1's pass is built and started before token i is read. Rank 0
-samples each token (under a grammar, masked by its matcher) and shares it in a plain-token packet (packets.py) that every rank's next step takes as
-its input, lazily: one collective per token beside the model's, one host read per token on every rank.
+samples each token (under a grammar, masked by its matcher) and shares it in a plain-token packet
+(packets.py) that every rank's next step takes as its input, lazily: one collective per token beside the
+model's, one host read per token on every rank.
 
 Who builds which step: a follower builds step i+1 before it reads token i, so it must know in advance that
 rank 0 will build it. Rank 0's packet of step j promises step j+2 (the announced stretch length promises
