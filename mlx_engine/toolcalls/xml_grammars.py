@@ -76,43 +76,43 @@ def _arguments(rule: str, tool: dict, item, text: str, closer: str) -> str:
     return f"{rule}: {' '.join(parts)}\n"
 
 
+def _per_tool(tools: list[dict], head, item, text: str, closer: str) -> tuple[str, str]:
+    """(one alternative per tool: `head(name)` then its arguments; the rules of their arguments)."""
+    alts, rules = [], []
+    for i, tool in enumerate(tools):
+        rules.append(_arguments(f"args{i}", tool, item, text, closer))
+        alts.append(f"{head(_parameters(tool)[0])} args{i}")
+    return "(" + " | ".join(alts) + ")", "".join(rules)
+
+
 def qwen3_coder_calls(tools: list[dict], tokenizer: llguidance.LLTokenizer, parallel: bool) -> tuple[str, str]:
     """(the opener, Lark rules whose `rest` is everything after it to the end of the calls)."""
-    closer = '"\\n</parameter>"'
     text, terminal = text_until("PARAM_TEXT", "\n</parameter>", tokenizer)
 
     def item(key, value):
         return f'"<parameter=" {key} ">\\n" {value} "\\n"'
 
-    rules, alts = [terminal, "ANY_KEY: /[^\\s<>=]+/\n"], []
-    for i, tool in enumerate(tools):
-        name = _parameters(tool)[0]
-        rules.append(_arguments(f"args{i}", tool, item, text, closer))
-        alts.append(f"{json.dumps(chr(10) + '<function=' + name + '>' + chr(10))} args{i}")
+    names, args = _per_tool(tools, lambda name: json.dumps(f"\n<function={name}>\n"), item, text,
+                            '"\\n</parameter>"')
     opener, close = _literal(CALL_OPEN, tokenizer), _literal(CALL_CLOSE, tokenizer)
-    call = f'({" | ".join(alts)}) "</function>\\n" {close}'
     more = f' ("\\n" {opener} call)*' if parallel else ""
-    return CALL_OPEN, f"rest: call{more}\ncall: {call}\n" + "".join(rules)
+    return CALL_OPEN, (f'rest: call{more}\ncall: {names} "</function>\\n" {close}\n' + args + terminal
+                       + "ANY_KEY: /[^\\s<>=]+/\n")
 
 
 def glm47_calls(tools: list[dict], tokenizer: llguidance.LLTokenizer, parallel: bool) -> tuple[str, str]:
     """(the opener, Lark rules whose `rest` is everything after it to the end of the calls)."""
     lit = {t: _literal(t, tokenizer) for t in ("<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>")}
-    closer = lit["</arg_value>"]
     text, terminal = text_until("ARG_TEXT", "</arg_value>", tokenizer)
 
     def item(key, value):
         return f'"\\n"? {lit["<arg_key>"]} {key} {lit["</arg_key>"]} "\\n"? {lit["<arg_value>"]} {value}'
 
-    rules, alts = [terminal, "ANY_KEY: /[^\\s<>]+/\n"], []
-    for i, tool in enumerate(tools):
-        name = _parameters(tool)[0]
-        rules.append(_arguments(f"args{i}", tool, item, text, closer))
-        alts.append(f"{json.dumps(name)} args{i}")
+    names, args = _per_tool(tools, json.dumps, item, text, lit["</arg_value>"])
     opener, close = _literal(CALL_OPEN, tokenizer), _literal(CALL_CLOSE, tokenizer)
-    call = f'({" | ".join(alts)}) "\\n"? {close}'
     more = f' ("\\n"? {opener} call)*' if parallel else ""
-    return CALL_OPEN, f"rest: call{more}\ncall: {call}\n" + "".join(rules)
+    return CALL_OPEN, (f'rest: call{more}\ncall: {names} "\\n"? {close}\n' + args + terminal
+                       + "ANY_KEY: /[^\\s<>]+/\n")
 
 
 MINIMAX_OPEN, MINIMAX_CLOSE = "<minimax:tool_call>", "</minimax:tool_call>"
@@ -125,12 +125,8 @@ def minimax_m2_calls(tools: list[dict], tokenizer: llguidance.LLTokenizer, paral
     def item(key, value):
         return f'"<parameter name=\\"" {key} "\\">" {value} "\\n"?'
 
-    rules, alts = [terminal, 'ANY_KEY: /[^\\s<>"]+/\n'], []
-    for i, tool in enumerate(tools):
-        name = _parameters(tool)[0]
-        rules.append(_arguments(f"args{i}", tool, item, text, '"</parameter>"'))
-        alts.append(f'{json.dumps("<invoke name=" + json.dumps(name) + ">")} "\\n"? args{i}')
-    invoke = f'({" | ".join(alts)}) "</invoke>" "\\n"?'
+    names, args = _per_tool(tools, lambda name: f'{json.dumps(f"<invoke name={json.dumps(name)}>")} "\\n"?', item,
+                            text, '"</parameter>"')
     many = "invoke+" if parallel else "invoke"
-    return MINIMAX_OPEN, (f'rest: "\\n"? {many} {_literal(MINIMAX_CLOSE, tokenizer)}\ninvoke: {invoke}\n'
-                          + "".join(rules))
+    return MINIMAX_OPEN, (f'rest: "\\n"? {many} {_literal(MINIMAX_CLOSE, tokenizer)}\n'
+                          f'invoke: {names} "</invoke>" "\\n"?\n' + args + terminal + 'ANY_KEY: /[^\\s<>"]+/\n')
