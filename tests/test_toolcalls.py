@@ -65,7 +65,7 @@ def split(fmt, text, cuts, think=None, reasoning=False, tools=(WEATHER, ADD)):
         if isinstance(e, Text):
             out[e.kind] += e.text
         elif isinstance(e, CallStart):
-            assert e.index == len(calls) and e.id.startswith("call_")
+            assert e.index == len(calls) and (e.id.startswith("call_") or fmt.name == "kimi_k2") and e.id
             calls.append([e.name, ""])
         elif isinstance(e, CallArgs):
             calls[e.index][1] += e.text
@@ -312,13 +312,16 @@ def test_xml_calls_hold_each_argument_to_its_parameter_s_schema(fmt, newlines):
     assert _ends_here(m)
 
 
+PUBLISHED_KIMI = ('<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>'
+                  '{"city": "Paris", "unit": "c"}<|tool_call_end|><|tool_call_begin|>functions.add:1'
+                  '<|tool_call_argument_begin|>{"b": 2, "a": 1}<|tool_call_end|><|tool_calls_section_end|>')
+
+
 @pytest.mark.parametrize("fmt,text", [
     (DEEPSEEK, PUBLISHED[1][1][PUBLISHED[1][1].index(DEEPSEEK.start):]),  # V3's form, two calls
     (DEEPSEEK, '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Oslo", "unit": "f"}'
                '<｜tool▁call▁end｜><｜tool▁call▁begin｜>add<｜tool▁sep｜>{"b": 2, "a": 1}<｜tool▁call▁end｜><｜tool▁calls▁end｜>'),  # V3.1's
-    (KIMI_K2, '<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>'
-              '{"city": "Paris", "unit": "c"}<|tool_call_end|><|tool_call_begin|>functions.add:1'
-              '<|tool_call_argument_begin|>{"b": 2, "a": 1}<|tool_call_end|><|tool_calls_section_end|>'),
+    (KIMI_K2, PUBLISHED_KIMI),
     (MISTRAL, '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "unit": "c"}[TOOL_CALLS]add[ARGS]{"b": 2, "a": 1}'),
     (MISTRAL, '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}, '
               '{"name": "add", "arguments": {"b": 2, "a": 1}}]'),  # the older list form
@@ -335,6 +338,16 @@ def test_each_family_s_published_calls_are_what_its_forced_grammar_allows(fmt, t
     with pytest.raises(GrammarViolation):  # one call only
         one.consume(gu.encode(text))
         one.consume([gu.eos()])
+
+
+def test_a_model_s_own_call_ids_are_kept():
+    """Kimi K2 writes `functions.NAME:N` as each call's id and its template renders that id back (in the call
+    and its result): the client gets the model's id; a repeated one is replaced."""
+    ids = [e.id for e in split(KIMI_K2, PUBLISHED_KIMI, [])[3] if isinstance(e, CallStart)]
+    assert ids == ["functions.get_weather:0", "functions.add:1"]
+    repeated = PUBLISHED_KIMI.replace("functions.add:1", "functions.get_weather:0")
+    ids = [e.id for e in split(KIMI_K2, repeated, [])[3] if isinstance(e, CallStart)]
+    assert ids[0] == "functions.get_weather:0" and ids[1].startswith("call_")
 
 
 def test_llama3_auto_is_text_or_one_call_held_to_the_schema():

@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import time
 from contextlib import aclosing
 from typing import Literal, Union
@@ -248,8 +249,9 @@ def messages_turn(body: CountBody) -> Turn:
 
 # -- events -> Anthropic's shapes --------------------------------------------------------------------------
 def tool_use_id(call_id: str) -> str:
-    """The splitter's call id (call_<hex>) as Anthropic's (toolu_<hex>), the same hex."""
-    return "toolu_" + call_id.removeprefix("call_")
+    """The splitter's call id (call_<hex>) as Anthropic's (toolu_<hex>), the same hex; a model's own id
+    (Kimi K2's functions.NAME:N) with the characters Anthropic's ids do not take as "_"."""
+    return "toolu_" + re.sub(r"[^A-Za-z0-9_-]", "_", call_id.removeprefix("call_"))
 
 
 def stop_reason(done: Done) -> tuple[str, str | None]:

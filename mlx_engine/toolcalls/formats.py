@@ -38,6 +38,7 @@ class ToolCallError(ValueError):
 class Call:
     name: str
     arguments: str  # the JSON text of the arguments, as written
+    id: str | None = None  # the model's own id of the call (Kimi K2's `functions.NAME:N`), where it writes one
 
 
 @dataclass(frozen=True)
@@ -163,7 +164,8 @@ def mlx_lm_format(module_name: str) -> ToolFormat:
         except Exception as e:  # each parser raises its own errors on text that is not a call
             raise ToolCallError(f"{module_name}: {e}") from None
         out = out if isinstance(out, list) else [out]
-        return [Call(c["name"], _json_text(c.get("arguments", {}))) for c in out]
+        return [Call(c["name"], _json_text(c.get("arguments", {})), c["id"] if isinstance(c.get("id"), str) else None)
+                for c in out]
 
     return ToolFormat(module_name, mod.tool_call_start, mod.tool_call_end, True, parse)
 

@@ -224,7 +224,7 @@ class Splitter:
         except ToolCallError:  # not a call: its text, markers included, is content
             self._content(out, self.space_before + self.fmt.start + body + (self.fmt.end if closed else ""))
             return
-        for c in calls:
-            self.calls.append(call_id())
+        for c in calls:  # the model's own id where it wrote one (its template renders it back), unless repeated
+            self.calls.append(c.id if c.id and c.id not in self.calls else call_id())
             out.append(CallStart(len(self.calls) - 1, self.calls[-1], c.name))
             out.append(CallArgs(len(self.calls) - 1, c.arguments))
