@@ -15,15 +15,17 @@ $(STAMP): pyproject.toml scripts/setup_env.sh
 chat: $(STAMP)
 	$(PY) -m app $(ARGS)
 
-# The suite runs on every core (pytest-xdist), a test file per worker (its module fixtures built once); -rs
-# lists why a test was skipped. PYTEST_ARGS="-n 0" runs it in one process.
+# The suite runs on every core (pytest-xdist), a test file per worker (its module fixtures built once), each
+# worker's OpenBLAS on one thread (workers on every core already; 16.3 -> 13.2 min here); -rs lists why a
+# test was skipped. PYTEST_ARGS="-n 0" runs it in one process (then OPENBLAS_NUM_THREADS= lifts the cap).
 XDIST := -n auto --dist loadfile -rs
+BLAS  := OPENBLAS_NUM_THREADS=$${OPENBLAS_NUM_THREADS-1}
 
 test: $(STAMP)
-	$(PY) -m pytest -m "not slow" $(XDIST) $(PYTEST_ARGS)
+	$(BLAS) $(PY) -m pytest -m "not slow" $(XDIST) $(PYTEST_ARGS)
 
 test-slow: $(STAMP)
-	$(PY) -m pytest -m slow $(XDIST) $(PYTEST_ARGS); rc=$$?; [ $$rc -eq 0 ] || [ $$rc -eq 5 ]
+	$(BLAS) $(PY) -m pytest -m slow $(XDIST) $(PYTEST_ARGS); rc=$$?; [ $$rc -eq 0 ] || [ $$rc -eq 5 ]
 
 test-all: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)
