@@ -340,6 +340,24 @@ def test_each_family_s_published_calls_are_what_its_forced_grammar_allows(fmt, t
         one.consume([gu.eos()])
 
 
+def test_a_recursive_schema_is_held_to_its_first_level_in_gemma4_s_calls():
+    from mlx_engine.grammar import GrammarViolation
+
+    tree = {"type": "function", "function": {"name": "tree", "parameters": {
+        "type": "object", "$defs": {"node": {"type": "object", "properties": {
+            "name": {"type": "string"}, "kids": {"type": "array", "items": {"$ref": "#/$defs/node"}}},
+            "required": ["name"]}},
+        "properties": {"root": {"$ref": "#/$defs/node"}}, "required": ["root"]}}}
+    g = forced_call(GEMMA4, [tree], gu.llg_tokenizer())
+    text = '<|tool_call>call:tree{root:{kids:[{name:<|"|>b<|"|>}],name:<|"|>a<|"|>}}<tool_call|>'
+    m = g.matcher()
+    m.consume(gu.encode(text))
+    assert _ends_here(m)
+    assert json.loads(split(GEMMA4, text, [], tools=[tree])[2][0][1]) == {"root": {"kids": [{"name": "b"}], "name": "a"}}
+    with pytest.raises(GrammarViolation):  # the first level is held: root needs its name
+        g.matcher().consume(gu.encode('<|tool_call>call:tree{root:{kids:[]}}'))
+
+
 def test_a_model_s_own_call_ids_are_kept():
     """Kimi K2 writes `functions.NAME:N` as each call's id and its template renders that id back (in the call
     and its result): the client gets the model's id; a repeated one is replaced."""

@@ -9,8 +9,8 @@ The value of a schema: an enum or const of strings as one of its strings (marked
 between the marks (its pattern and length not held), integer / number / boolean / null as JSON (bounds held),
 an array of its
 items' values, an object of its declared properties (sorted, the required ones always, commas only between
-members), anyOf / oneOf / a list of types as one of them, a local $ref as what it names; anything else (an
-object without properties, no type at all) as any Gemma value.
+members), anyOf / oneOf / a list of types as one of them, a local $ref as what it names (inside itself: any
+value); anything else (an object without properties, no type at all) as any Gemma value.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ class _Writer:
 
     def __init__(self, tokenizer: llguidance.LLTokenizer):
         self.defs: dict = {}  # the current tool's $defs / definitions
+        self.expanding: set[str] = set()  # the $refs being written out (a schema may refer to itself)
         self.quote = _literal(QUOTE, tokenizer)
         closed, self.text_rule = text_until("MARKED_TEXT", QUOTE, tokenizer)  # text, then the closing mark
         self.string = f"{self.quote} {closed}"
@@ -51,7 +52,13 @@ class _Writer:
             named = self.defs.get(parts[1], {}).get(parts[2]) if len(parts) == 3 and parts[0] == "#" else None
             if not isinstance(named, dict):
                 raise GrammarError(f"a $ref the Gemma 4 call grammar cannot resolve: {ref!r}")
-            return self.value({**named, **{k: v for k, v in schema.items() if k != "$ref"}})
+            if ref in self.expanding:  # a recursive schema: below its first level, any value
+                return "any"
+            self.expanding.add(ref)
+            try:
+                return self.value({**named, **{k: v for k, v in schema.items() if k != "$ref"}})
+            finally:
+                self.expanding.discard(ref)
         options = schema.get("enum", [schema["const"]] if "const" in schema else None)
         if options is not None:
             return "(" + " | ".join(self.marked(o) if isinstance(o, str) else json.dumps(json.dumps(o))
