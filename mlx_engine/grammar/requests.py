@@ -80,8 +80,8 @@ def _literal(text: str, tokenizer: llguidance.LLTokenizer) -> str:
     return json.dumps(text)
 
 
-def tool_call_schema(tool: dict) -> dict:
-    """The JSON of one call of an OpenAI function tool: {"name": its name, "arguments": its parameters}."""
+def tool_parts(tool: dict) -> tuple[str, dict]:
+    """(an OpenAI function tool's name, its parameters' schema), checked."""
     fn = tool.get("function", tool)
     name = fn.get("name")
     if not isinstance(name, str) or not name:
@@ -89,5 +89,23 @@ def tool_call_schema(tool: dict) -> dict:
     params = fn.get("parameters") or {"type": "object", "properties": {}}
     if not isinstance(params, dict):
         raise GrammarError(f"tool {name!r}: parameters must be a JSON schema object")
+    return name, params
+
+
+def definitions(params: dict) -> dict:
+    """A parameters schema's named definitions, under the key(s) it keeps them: {"$defs": ..., "definitions": ...}."""
+    return {k: params[k] for k in ("$defs", "definitions") if isinstance(params.get(k), dict)}
+
+
+def local_ref(ref, defs: dict) -> dict | None:
+    """The schema a local $ref ("#/$defs/X", "#/definitions/X") names in `defs` (definitions()), or None."""
+    parts = ref.split("/") if isinstance(ref, str) else []
+    named = defs.get(parts[1], {}).get(parts[2]) if len(parts) == 3 and parts[0] == "#" else None
+    return named if isinstance(named, dict) else None
+
+
+def tool_call_schema(tool: dict) -> dict:
+    """The JSON of one call of an OpenAI function tool: {"name": its name, "arguments": its parameters}."""
+    name, params = tool_parts(tool)
     return {"type": "object", "properties": {"name": {"const": name}, "arguments": params},
             "required": ["name", "arguments"], "additionalProperties": False}

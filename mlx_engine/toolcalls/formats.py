@@ -25,6 +25,8 @@ import re
 from dataclasses import dataclass
 from typing import Callable
 
+from ..grammar.requests import definitions, local_ref
+
 DS_CALLS_BEGIN, DS_CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
 DS_CALL_BEGIN, DS_CALL_END, DS_SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
 PYTHON_TAG = "<|python_tag|>"
@@ -181,13 +183,11 @@ def _refs_resolved(tools: list) -> list:
         if not isinstance(params, dict) or not isinstance(params.get("properties"), dict):
             out.append(tool)
             continue
-        props = {}
+        props, defs = {}, definitions(params)
         for key, schema in params["properties"].items():
-            ref = schema.get("$ref") if isinstance(schema, dict) else None
-            if isinstance(ref, str) and ref.count("/") == 2 and ref.split("/")[1] in ("$defs", "definitions"):
-                named = (params.get(ref.split("/")[1]) or {}).get(ref.split("/")[2])
-                if isinstance(named, dict):
-                    schema = {**named, **{k: v for k, v in schema.items() if k != "$ref"}}
+            named = local_ref(schema.get("$ref"), defs) if isinstance(schema, dict) else None
+            if named is not None:
+                schema = {**named, **{k: v for k, v in schema.items() if k != "$ref"}}
             props[key] = schema
         out.append({**tool, "function": {**fn, "parameters": {**params, "properties": props}}})
     return out

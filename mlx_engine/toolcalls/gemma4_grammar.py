@@ -19,7 +19,7 @@ import json
 
 import llguidance
 
-from ..grammar.requests import _literal
+from ..grammar.requests import _literal, definitions, local_ref, tool_parts
 from ..grammar.spec import JSON_OPTIONS, GrammarError
 from .lark_items import text_until
 
@@ -48,9 +48,8 @@ class _Writer:
             raise GrammarError(f"a parameter's schema must be an object, got {schema!r}")
         ref = schema.get("$ref")
         if isinstance(ref, str):
-            parts = ref.split("/")
-            named = self.defs.get(parts[1], {}).get(parts[2]) if len(parts) == 3 and parts[0] == "#" else None
-            if not isinstance(named, dict):
+            named = local_ref(ref, self.defs)
+            if named is None:
                 raise GrammarError(f"a $ref the Gemma 4 call grammar cannot resolve: {ref!r}")
             if ref in self.expanding:  # a recursive schema: below its first level, any value
                 return "any"
@@ -112,11 +111,8 @@ def gemma4_calls(tools: list[dict], tokenizer: llguidance.LLTokenizer, parallel:
     """(the opener, Lark rules whose `rest` is everything after it to the end of the calls)."""
     alts, writer = [], _Writer(tokenizer)
     for tool in tools:
-        fn = tool.get("function", tool)
-        name, params = fn.get("name"), fn.get("parameters") or {}
-        if not isinstance(name, str) or not name or not isinstance(params, dict):
-            raise GrammarError(f"a tool without a name or with parameters that are no schema: {fn!r}")
-        writer.defs = {k: params[k] for k in ("$defs", "definitions") if k in params}
+        name, params = tool_parts(tool)
+        writer.defs = definitions(params)
         args = (writer.members(params["properties"], set(params.get("required") or []))
                 if params.get("properties") else writer.value({"type": "object"}))
         args = args if args != "any" else f'"{{" (ANY_KEY ":" any ("," ANY_KEY ":" any)*)? "}}"'

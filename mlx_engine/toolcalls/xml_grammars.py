@@ -23,7 +23,7 @@ import json
 
 import llguidance
 
-from ..grammar.requests import CALL_CLOSE, CALL_OPEN, _literal
+from ..grammar.requests import CALL_CLOSE, CALL_OPEN, _literal, definitions, tool_parts
 from ..grammar.spec import JSON_OPTIONS, GrammarError
 from .lark_items import text_until
 
@@ -53,15 +53,9 @@ def _value(schema: dict, defs: dict, text: str, closer: str) -> str:
 
 
 def _parameters(tool: dict) -> tuple[str, dict, dict, set]:
-    fn = tool.get("function", tool)
-    name = fn.get("name")
-    if not isinstance(name, str) or not name:
-        raise GrammarError("a tool has no function name")
-    params = fn.get("parameters") or {}
-    if not isinstance(params, dict):
-        raise GrammarError(f"tool {name!r}: parameters must be a JSON schema object")
-    defs = {k: params[k] for k in ("$defs", "definitions") if k in params}
-    return name, params.get("properties") or {}, defs, set(params.get("required") or [])
+    """(name, declared properties, definitions, required names) of a tool's parameters."""
+    name, params = tool_parts(tool)
+    return name, params.get("properties") or {}, definitions(params), set(params.get("required") or [])
 
 
 def _arguments(rule: str, tool: dict, item, text: str, closer: str) -> str:
