@@ -16,7 +16,7 @@ from transformers import PreTrainedTokenizerFast
 
 import grammar_util as gu
 from mlx_engine.toolcalls import CallArgs, CallStart, Splitter, Text, detect, template_input
-from mlx_engine.toolcalls.formats import DEEPSEEK, GENERIC, JSON, LLAMA3, mlx_lm_format
+from mlx_engine.toolcalls.formats import DEEPSEEK, FUNCTION_GEMMA, GENERIC, JSON, LLAMA3, mlx_lm_format
 from mlx_engine.toolcalls.grammars import forced_call
 from toolcall_templates import DEEPSEEK_TEMPLATE, JSON_TEMPLATE, LLAMA3_TEMPLATE
 
@@ -48,6 +48,12 @@ PUBLISHED = [
     (mlx_lm_format("glm47"), '<tool_call>get_weather<arg_key>city</arg_key><arg_value>Paris</arg_value>'
                              '<arg_key>unit</arg_key><arg_value>c</arg_value></tool_call>', "",
      [("get_weather", '{"city": "Paris", "unit": "c"}')]),
+    (mlx_lm_format("pythonic"), '<|tool_call_start|>[get_weather(city="Paris", unit="c"), add(b=2, a=1)]'
+                                '<|tool_call_end|>Checking both.', "Checking both.",  # LFM2's (text may follow)
+     [("get_weather", '{"city": "Paris", "unit": "c"}'), ("add", '{"b": 2, "a": 1}')]),
+    (FUNCTION_GEMMA, "<start_function_call>call:get_weather{city:<escape>Paris, {France}<escape>,unit:<escape>c<escape>}"
+                     "<end_function_call><start_function_call>call:add{b:2,a:1}<end_function_call>", "",
+     [("get_weather", '{"city": "Paris, {France}", "unit": "c"}'), ("add", '{"b": 2, "a": 1}')]),
 ]
 
 
@@ -152,8 +158,8 @@ def _calls_in(text: str, fmt) -> list:
 
 QWEN3_CODER, GLM47 = mlx_lm_format("qwen3_coder"), mlx_lm_format("glm47")
 KIMI_K2, MISTRAL, MINIMAX = mlx_lm_format("kimi_k2"), mlx_lm_format("mistral"), mlx_lm_format("minimax_m2")
-GEMMA4 = mlx_lm_format("gemma4")
-CONSTRAINED = [JSON, GENERIC, DEEPSEEK, KIMI_K2, MISTRAL, QWEN3_CODER, GLM47, MINIMAX, GEMMA4]
+GEMMA4, PYTHONIC = mlx_lm_format("gemma4"), mlx_lm_format("pythonic")
+CONSTRAINED = [JSON, GENERIC, DEEPSEEK, KIMI_K2, MISTRAL, QWEN3_CODER, GLM47, MINIMAX, GEMMA4, PYTHONIC, FUNCTION_GEMMA]
 
 
 @pytest.mark.parametrize("fmt", CONSTRAINED + [LLAMA3], ids=lambda f: f.name)
@@ -211,7 +217,8 @@ BAD_ADD = {"json": '\n{"name": "add", "arguments": {"b": "x"', "generic": '\n{"n
            "qwen3_coder": "\n<function=add>\n<parameter=b>\nx", "glm47": "add<arg_key>b</arg_key><arg_value>x",
            "kimi_k2": '<|tool_call_begin|>functions.add:0<|tool_call_argument_begin|>{"b": "x"',
            "mistral": '[TOOL_CALLS]add[ARGS]{"b": "x"', "minimax_m2": '\n<invoke name="add">\n<parameter name="b">x',
-           "gemma4": 'call:add{a:<|"|>x'}
+           "gemma4": 'call:add{a:<|"|>x', "pythonic": '[add(b="x"',
+           "function_gemma": "call:add{b:<escape>x"}
 
 
 @pytest.mark.parametrize("fmt", CONSTRAINED, ids=lambda f: f.name)
@@ -256,14 +263,21 @@ def _xml_call(fmt, args: dict, glm_newlines: bool = False) -> str:
     if fmt is QWEN3_CODER:
         body = "".join(f"<parameter={k}>\n{text(v)}\n</parameter>\n" for k, v in args.items())
         return f"<tool_call>\n<function=edit>\n{body}</function>\n</tool_call>"
-    if fmt is GEMMA4:  # strings between <|"|> marks, keys bare (in the order given)
+    if fmt in (GEMMA4, FUNCTION_GEMMA):  # strings between marks, keys bare (in the order given)
+        mark = '<|"|>' if fmt is GEMMA4 else "<escape>"
+
         def gemma(v):
             if isinstance(v, str):
-                return f'<|"|>{v}<|"|>'
+                return f"{mark}{v}{mark}"
             if isinstance(v, dict):
                 return "{" + ",".join(f"{k}:{gemma(x)}" for k, x in v.items()) + "}"
             return json.dumps(v)
+        if fmt is FUNCTION_GEMMA:
+            return f"<start_function_call>call:edit{gemma(args)}<end_function_call>"
         return f"<|tool_call>call:edit{gemma(args)}<tool_call|>"
+    if fmt is PYTHONIC:  # LFM2's: keyword arguments, Python's True, JSON for the rest
+        body = ", ".join(f"{k}={'True' if v is True else json.dumps(v)}" for k, v in args.items())
+        return f"<|tool_call_start|>[edit({body})]<|tool_call_end|>"
     if fmt is MINIMAX:  # (its template: tojson for what is not a string)
         body = "".join(f'<parameter name="{k}">{v if isinstance(v, str) else json.dumps(v)}</parameter>\n'
                        for k, v in args.items())
@@ -275,7 +289,8 @@ def _xml_call(fmt, args: dict, glm_newlines: bool = False) -> str:
 
 
 @pytest.mark.parametrize("fmt,newlines", [(QWEN3_CODER, False), (GLM47, False), (GLM47, True), (MINIMAX, False),
-                                          (GEMMA4, False)], ids=["qwen3_coder", "glm47", "glm45", "minimax_m2", "gemma4"])
+                                          (GEMMA4, False), (PYTHONIC, False), (FUNCTION_GEMMA, False)],
+                         ids=["qwen3_coder", "glm47", "glm45", "minimax_m2", "gemma4", "pythonic", "function_gemma"])
 def test_xml_calls_hold_each_argument_to_its_parameter_s_schema(fmt, newlines):
     """Strings as raw text (quotes, newlines, tags other than the closer kept), enums, booleans, a $ref'd object;
     the call parses back into the arguments; a wrong enum, a missing required or an unknown parameter, an
@@ -338,6 +353,24 @@ def test_each_family_s_published_calls_are_what_its_forced_grammar_allows(fmt, t
     with pytest.raises(GrammarViolation):  # one call only
         one.consume(gu.encode(text))
         one.consume([gu.eos()])
+
+
+def test_a_pythonic_call_names_only_python_identifiers():
+    """LFM2's calls are Python: a tool or parameter name Python cannot write is refused by name, not
+    constrained into text the parser cannot read; a dotted name is a Python name."""
+    from mlx_engine.grammar.spec import GrammarError
+
+    def tool(name, key="x"):
+        return {"type": "function", "function": {"name": name, "parameters": {
+            "type": "object", "properties": {key: {"type": "integer"}}, "required": [key]}}}
+
+    for bad, named in ((tool("get-weather"), "get-weather"), (tool("f", "from"), "from"), (tool("f", "a b"), "a b")):
+        with pytest.raises(GrammarError, match=named):
+            forced_call(PYTHONIC, [bad], gu.llg_tokenizer())
+    m = forced_call(PYTHONIC, [tool("tools.add")], gu.llg_tokenizer()).matcher()
+    text = "<|tool_call_start|>[tools.add(x=3)]<|tool_call_end|>"
+    m.consume(gu.encode(text))
+    assert _ends_here(m) and split(PYTHONIC, text, [], tools=[tool("tools.add")])[2] == [("tools.add", '{"x": 3}')]
 
 
 def test_a_recursive_schema_is_held_to_its_first_level_in_gemma4_s_calls():
@@ -441,17 +474,21 @@ def test_auto_holds_calls_to_the_grammar_only_with_a_strict_tool():
     assert prepare(Turn("m", messages=messages, tools=[SMALL], tool_choice="none"), tok, gu.VOCAB).grammar is None
 
 
-def test_a_qwen3_coder_model_s_forced_and_strict_auto_calls_are_constrained():
-    """The server's wiring: a template in Qwen3-Coder's form is detected, and tool_choice required / auto with a
-    strict tool get its call grammar (before, they went unconstrained)."""
+@pytest.mark.parametrize("fmt,marker", [(QWEN3_CODER, "{{- '<tool_call>\\n<function=' }}"),
+                                        (PYTHONIC, "{{- '<|tool_call_start|>' }}"),
+                                        (FUNCTION_GEMMA, "{{- '<start_function_call>' }}")],
+                         ids=["qwen3_coder", "pythonic", "function_gemma"])
+def test_a_model_s_forced_and_strict_auto_calls_are_constrained(fmt, marker):
+    """The server's wiring: a template in Qwen3-Coder's (LFM2's) form is detected, and tool_choice required / auto
+    with a strict tool get its call grammar (before, they went unconstrained)."""
     from mlx_engine.serve.turn import Turn, prepare
 
     tok = _tokenizer("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
-                     "{% if tools %}{{- '<tool_call>\\n<function=' }}{% endif %}"
+                     "{% if tools %}" + marker + "{% endif %}"
                      "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-    assert detect(tok).name == "qwen3_coder"
+    assert detect(tok).name == fmt.name
     messages = [{"role": "user", "content": "edit it"}]
-    text = _xml_call(QWEN3_CODER, EDIT_ARGS)
+    text = _xml_call(fmt, EDIT_ARGS)
     for choice, head in (("required", ""), ("auto", "Sure.\n")):
         g = prepare(Turn("m", messages=messages, tools=[EDIT], tool_choice=choice), tok, gu.VOCAB).grammar
         m = g.matcher()

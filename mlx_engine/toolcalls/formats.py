@@ -10,6 +10,8 @@ into calls, and whether the model's own chat template renders tools and calls.
   <｜tool▁sep｜>{...}<｜tool▁call▁end｜>`.
 - `llama3_json`: the whole answer one JSON object `{"name": ..., "parameters": {...}}`, optionally after
   `<|python_tag|>` (Llama 3.1 / 3.2 JSON tool calling).
+- `function_gemma`: `<start_function_call>call:NAME{key:<escape>text<escape>,key:3}<end_function_call>` per call
+  (FunctionGemma), read by `parse_function_gemma`.
 - any of mlx-lm's own parsers (mlx_lm/tool_parsers: qwen3_coder, glm47, kimi_k2, mistral, pythonic,
   minimax_m2, gemma4, ...), by the name mlx-lm infers from the template: used as they are.
 
@@ -30,6 +32,7 @@ from ..grammar.requests import definitions, local_ref
 DS_CALLS_BEGIN, DS_CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
 DS_CALL_BEGIN, DS_CALL_END, DS_SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
 PYTHON_TAG = "<|python_tag|>"
+FG_CALL_START, FG_CALL_END, FG_ESCAPE = "<start_function_call>", "<end_function_call>", "<escape>"
 
 
 class ToolCallError(ValueError):
@@ -150,10 +153,30 @@ def parse_llama3(text: str, tools=None) -> list[Call]:
     return calls
 
 
+def parse_function_gemma(body: str, tools=None) -> list[Call]:
+    """FunctionGemma's `call:NAME{key:VALUE,...}`: strings between `<escape>` marks, keys bare, the other values
+    (numbers, true / false / null, `[...]`, `{k:v}`) as JSON writes them; read by quoting keys and strings into
+    JSON (mlx-lm's own parser reads scalars only and cuts a string at its first `}`)."""
+    m = re.fullmatch(r"\s*call:([\w.-]+)(\{.*\})\s*", body, re.DOTALL)
+    if m is None:
+        raise ToolCallError("function_gemma: no call:NAME{...}")
+    parts = m.group(2).split(FG_ESCAPE)
+    if len(parts) % 2 == 0:
+        raise ToolCallError("function_gemma: a string without its closing <escape>")
+    text = "".join(json.dumps(p) if i % 2 else re.sub(r"(?<=[{,])\s*([A-Za-z_]\w*)\s*:", r'"\1":', p)
+                   for i, p in enumerate(parts))
+    try:
+        arguments = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ToolCallError(f"function_gemma: arguments that do not read as values: {e}") from None
+    return [Call(m.group(1), _json_text(arguments))]
+
+
 JSON = ToolFormat("json", "<tool_call>", "</tool_call>", True, parse_json_call, streams_arguments=True)
 GENERIC = ToolFormat("generic", "<tool_call>", "</tool_call>", False, parse_json_call, streams_arguments=True)
 DEEPSEEK = ToolFormat("deepseek_v3", DS_CALLS_BEGIN, DS_CALLS_END, True, parse_deepseek)
 LLAMA3 = ToolFormat("llama3_json", "", "", True, parse_llama3)
+FUNCTION_GEMMA = ToolFormat("function_gemma", FG_CALL_START, FG_CALL_END, True, parse_function_gemma)
 
 
 def mlx_lm_format(module_name: str) -> ToolFormat:
@@ -212,6 +235,8 @@ def detect(tokenizer) -> ToolFormat:
         name = _infer_tool_parser(getattr(tokenizer, "_tokenizer", tokenizer))
     except Exception:
         name = None
+    if name == "function_gemma":  # (our reader: mlx-lm's reads scalars only)
+        return FUNCTION_GEMMA
     if name and name != "json_tools":
         return mlx_lm_format(name)
     if "tools" in template and "<tool_call>" in template:

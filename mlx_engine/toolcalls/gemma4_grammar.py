@@ -1,9 +1,12 @@
-"""Lark rules for Gemma 4's calls, each argument held to its parameter's schema.
+"""Lark rules for Gemma 4's and FunctionGemma's calls, each argument held to its parameter's schema.
 
 Gemma 4's template writes a call as `<|tool_call>call:NAME{key:VALUE,key:VALUE}<tool_call|>` (calls of one
 answer back to back): keys bare and in sorted order (its `dictsort`), strings between `<|"|>` marks, numbers,
 true / false / null as JSON writes them, arrays `[a,b]` and objects `{k:v}` of the same values, no spaces.
-mlx-lm's gemma4 parser reads that back by quoting the keys and the marked strings into JSON.
+mlx-lm's gemma4 parser reads that back by quoting the keys and the marked strings into JSON. FunctionGemma
+(Gemma 3 270M) writes the same values in `<start_function_call>call:NAME{...}<end_function_call>` with
+strings between `<escape>` marks and the keys in the order given (its template loops over the arguments);
+formats.parse_function_gemma reads it back the same way.
 
 The value of a schema: an enum or const of strings as one of its strings (marked), a string as any text
 between the marks (its pattern and length not held), integer / number / boolean / null as JSON (bounds held),
@@ -21,7 +24,8 @@ import llguidance
 
 from ..grammar.requests import _literal, definitions, local_ref, tool_parts
 from ..grammar.spec import JSON_OPTIONS, GrammarError
-from .lark_items import text_until
+from .formats import FG_CALL_END, FG_CALL_START, FG_ESCAPE
+from .lark_items import separated, text_until
 
 OPEN, CLOSE, QUOTE = "<|tool_call>", "<tool_call|>", '<|"|>'
 TERMINALS = ('NUMBER: /-?(0|[1-9][0-9]*)(\\.[0-9]+)?([eE][+-]?[0-9]+)?/\n'
@@ -31,11 +35,12 @@ TERMINALS = ('NUMBER: /-?(0|[1-9][0-9]*)(\\.[0-9]+)?([eE][+-]?[0-9]+)?/\n'
 class _Writer:
     """Builds the Lark items of schemas' values, with the rules they need (`any` for any value)."""
 
-    def __init__(self, tokenizer: llguidance.LLTokenizer):
+    def __init__(self, tokenizer: llguidance.LLTokenizer, quote: str, sort: bool):
         self.defs: dict = {}  # the current tool's $defs / definitions
         self.expanding: set[str] = set()  # the $refs being written out (a schema may refer to itself)
-        self.quote = _literal(QUOTE, tokenizer)
-        closed, self.text_rule = text_until("MARKED_TEXT", QUOTE, tokenizer)  # text, then the closing mark
+        self.sort = sort  # keys in sorted order (Gemma 4), else as declared (FunctionGemma)
+        self.quote = _literal(quote, tokenizer)
+        closed, self.text_rule = text_until("MARKED_TEXT", quote, tokenizer)  # text, then the closing mark
         self.string = f"{self.quote} {closed}"
 
     def marked(self, text: str) -> str:
@@ -80,26 +85,12 @@ class _Writer:
         return "any"
 
     def members(self, props: dict, required: set) -> str:
-        """`{k:v,...}` of `props` in sorted key order, the required ones always, commas only between."""
-        keys = sorted(props)
+        """`{k:v,...}` of `props` (in sorted key order, or as declared), the required ones always, commas only
+        between."""
+        keys = sorted(props) if self.sort else list(props)
         items = [f"{json.dumps(k + ':')} {self.value(props[k])}" for k in keys]
-
-        def after(i: int) -> str:  # members i.. once one was written: each with its comma
-            if i == len(keys):
-                return ""
-            one = f'"," {items[i]}'
-            return (f"{one} " if keys[i] in required else f"({one})? ") + after(i + 1)
-
-        def first(i: int) -> str:  # members i.. with none written yet
-            if i == len(keys):
-                return ""
-            here = f"{items[i]} {after(i + 1)}".strip()
-            if keys[i] in required:
-                return here
-            rest = first(i + 1)
-            return f"({here} | {rest})" if rest else f"({here})?"
-
-        return f'"{{" {first(0)} "}}"'
+        members = separated(items, [k in required for k in keys], '","')
+        return f'"{{" {members} "}}"'
 
     def rules(self) -> str:
         any_member = 'ANY_KEY ":" any'
@@ -107,9 +98,12 @@ class _Writer:
                 f'| "{{" ({any_member} ("," {any_member})*)? "}}"\n' + self.text_rule + TERMINALS)
 
 
-def gemma4_calls(tools: list[dict], tokenizer: llguidance.LLTokenizer, parallel: bool) -> tuple[str, str]:
-    """(the opener, Lark rules whose `rest` is everything after it to the end of the calls)."""
-    alts, writer = [], _Writer(tokenizer)
+def _calls(tools: list[dict], tokenizer: llguidance.LLTokenizer, parallel: bool, marks: tuple[str, str, str],
+           sort: bool) -> tuple[str, str]:
+    """(the opener, Lark rules whose `rest` is everything after it to the end of the calls); marks: (the call's
+    opener, its closer, the string mark)."""
+    opener_text, closer_text, quote = marks
+    alts, writer = [], _Writer(tokenizer, quote, sort)
     for tool in tools:
         name, params = tool_parts(tool)
         writer.defs = definitions(params)
@@ -117,7 +111,15 @@ def gemma4_calls(tools: list[dict], tokenizer: llguidance.LLTokenizer, parallel:
                 if params.get("properties") else writer.value({"type": "object"}))
         args = args if args != "any" else f'"{{" (ANY_KEY ":" any ("," ANY_KEY ":" any)*)? "}}"'
         alts.append(f"{json.dumps('call:' + name)} {args}")
-    opener, close = _literal(OPEN, tokenizer), _literal(CLOSE, tokenizer)
+    opener, close = _literal(opener_text, tokenizer), _literal(closer_text, tokenizer)
     call = f"({' | '.join(f'({a})' for a in alts)}) {close}"
     more = f" ({opener} call)*" if parallel else ""
-    return OPEN, f"rest: call{more}\ncall: {call}\n" + writer.rules()
+    return opener_text, f"rest: call{more}\ncall: {call}\n" + writer.rules()
+
+
+def gemma4_calls(tools: list[dict], tokenizer: llguidance.LLTokenizer, parallel: bool) -> tuple[str, str]:
+    return _calls(tools, tokenizer, parallel, (OPEN, CLOSE, QUOTE), sort=True)
+
+
+def function_gemma_calls(tools: list[dict], tokenizer: llguidance.LLTokenizer, parallel: bool) -> tuple[str, str]:
+    return _calls(tools, tokenizer, parallel, (FG_CALL_START, FG_CALL_END, FG_ESCAPE), sort=False)

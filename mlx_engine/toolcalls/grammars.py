@@ -11,8 +11,9 @@
 
 The formats: with JSON arguments (json_grammars.py) json, generic, deepseek_v3 (V3 and V3.1), kimi_k2,
 mistral and Llama 3's bare JSON; the XML-like qwen3_coder, glm47 and minimax_m2 (xml_grammars.py); Gemma 4's
-(gemma4_grammar.py). mlx-lm's other parsers (pythonic, function_gemma, ...) have none: their calls are
-parsed, not constrained (README says which).
+and FunctionGemma's (gemma4_grammar.py); LFM2's pythonic calls (pythonic_grammar.py). mlx-lm's other parsers
+(kimi_k3, longcat, minicpm5, muse_spark, laguna) have none: their calls are parsed, not constrained (README says
+which).
 Llama 3's calls have no opener (the answer is the call's JSON): under auto its text may not begin with `{`
 (nor `<` where `<|python_tag|>` is text), which is where its parser would read a call.
 """
@@ -24,9 +25,10 @@ import llguidance
 from ..grammar.requests import _literal
 from ..grammar.spec import Grammar, GrammarError, _checked
 from .formats import LLAMA3, PYTHON_TAG
-from .gemma4_grammar import gemma4_calls
+from .gemma4_grammar import function_gemma_calls, gemma4_calls
 from .json_grammars import deepseek_calls, json_block_calls, kimi_k2_calls, llama3_call, mistral_calls
 from .lark_items import text_until, text_without
+from .pythonic_grammar import pythonic_calls
 from .xml_grammars import glm47_calls, minimax_m2_calls, qwen3_coder_calls
 
 
@@ -37,7 +39,8 @@ def _names(tools: list[dict]) -> str:
 # format name -> its call rules (json_grammars.py, xml_grammars.py, gemma4_grammar.py)
 BUILDERS = {"json": json_block_calls, "generic": json_block_calls, "deepseek_v3": deepseek_calls,
             "kimi_k2": kimi_k2_calls, "mistral": mistral_calls, "qwen3_coder": qwen3_coder_calls,
-            "glm47": glm47_calls, "minimax_m2": minimax_m2_calls, "gemma4": gemma4_calls}
+            "glm47": glm47_calls, "minimax_m2": minimax_m2_calls, "gemma4": gemma4_calls,
+            "pythonic": pythonic_calls, "function_gemma": function_gemma_calls}
 
 
 def _calls(fmt, tools: list[dict], tokenizer: llguidance.LLTokenizer, parallel: bool) -> tuple[str, str] | None:

@@ -1,4 +1,5 @@
-"""Pieces of Lark text shared by the call grammars: free text that stops at a marker.
+"""Pieces of Lark text shared by the call grammars: free text that stops at a marker, and a separated list
+whose optional members may be left out.
 
 llguidance's lexer is greedy and never goes back, so "free text, then a marker" cannot be two lexemes when
 the marker is text (the text lexeme would run on over it). Where the tokenizer holds the marker as one special
@@ -32,3 +33,25 @@ def text_without(terminal: str, marker: str, tokenizer: llguidance.LLTokenizer) 
     if _literal(marker, tokenizer).startswith("<["):
         return f"{terminal}: /(?s:.+)/\n"
     return f"{terminal}: /(?s:.+)/ & ~/(?s:.*){regex_text(marker)}(?s:.*)/\n"
+
+
+def separated(items: list[str], required: list[bool], separator: str) -> str:
+    """A Lark item for `items` in this order, each optional one maybe left out, `separator` (a Lark item) only
+    between those written: an object's members, a call's keyword arguments. Empty text when none is written
+    (all optional, or no items)."""
+    def after(i: int) -> str:  # items i.. once one was written: each with its separator
+        if i == len(items):
+            return ""
+        one = f"{separator} {items[i]}"
+        return (f"{one} " if required[i] else f"({one})? ") + after(i + 1)
+
+    def first(i: int) -> str:  # items i.. with none written yet
+        if i == len(items):
+            return ""
+        here = f"{items[i]} {after(i + 1)}".strip()
+        if required[i]:
+            return here
+        rest = first(i + 1)
+        return f"({here} | {rest})" if rest else f"({here})?"
+
+    return first(0)
