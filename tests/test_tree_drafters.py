@@ -114,6 +114,47 @@ def deepseek(tmp_path_factory):
     return model, config, folder
 
 
+def test_the_mtp_chain_s_greedy_draft_on_a_subset_is_the_scattered_logits_choice(deepseek, monkeypatch):
+    """With a reduced draft vocabulary a greedy draft step reads the subset's scores alone (no full-vocabulary
+    logits): the same tokens and confidences as the scattered logits with -inf off the subset, a grammar's
+    first-position mask included; and the engine's output is still plain greedy decoding."""
+    from mlx_engine.drafters.mtp.drafter import MTPDrafter
+
+    model, config, folder = deepseek
+    ids = np.random.default_rng(5).permutation(np.arange(0, model.args.vocab_size, 2))
+    t = Target(model)
+    _, hidden = t.forward(mx.array(PROMPT), t.make_cache(), True)
+    allowed = mx.array(np.random.default_rng(6).random(model.args.vocab_size) < 0.3)
+
+    def drafts(fast: bool, first_allowed):
+        mtp = load_with_subset(model, folder, config, ids)
+        if not fast:
+            monkeypatch.setattr(MTPDrafter, "_greedy_on_subset", lambda *a: False)
+        mtp.begin(PROMPT + [5], hidden)
+        d = mtp.propose(3, SamplingConfig(), mx.random.key(0), first_allowed=first_allowed)
+        monkeypatch.undo()
+        return np.array(d.tokens).tolist(), np.array(d.confidence)
+
+    for first_allowed in (None, allowed):
+        (fast, sure), (slow, slow_sure) = drafts(True, first_allowed), drafts(False, first_allowed)
+        assert fast == slow and set(fast) <= set(ids.tolist())
+        assert np.allclose(sure, slow_sure, atol=1e-6)
+        if first_allowed is not None:
+            assert bool(np.array(allowed)[fast[0]])
+    assert run(model, load_with_subset(model, folder, config, ids), 2, n=48)[0] == mlx_lm_greedy(model, PROMPT, 48)
+
+
+def load_with_subset(model, folder, config, ids):
+    """The MTP drafter with the head's reduced draft vocabulary set (as a head file's `vocab_subset` does)."""
+    from mlx_engine.drafters.vocab_subset import SubsetOutput
+
+    mtp = load_mtp_drafter(model, folder, config)
+    mtp.head.set_vocab_subset(mx.array(ids, dtype=mx.int32))
+    mtp.vocab_subset = mtp.head.vocab_subset
+    mtp._subset = SubsetOutput(mtp.target, mtp.vocab_subset, mtp.target.vocab_size)
+    return mtp
+
+
 class SecondBestOracle(MTPTreeDrafter):
     """A head whose second-best guess is always the target's greedy token (the target's top two logits
     swapped): its chain is always wrong, its best sibling at depth 1 always right."""

@@ -154,6 +154,23 @@ class MTPDrafter:
             return self._subset(h)
         return self.target.lm_head(h)
 
+    def _greedy_on_subset(self, i: int, sampling: SamplingConfig) -> bool:
+        """Whether draft step i is an argmax over the reduced vocabulary with nothing that reads the full
+        vocabulary's logits (no logit bias, no penalty; `_subset_argmax`)."""
+        return (self._subset is not None and sampling.greedy and not sampling.logit_bias and not sampling.penalized
+                and "head" not in self.head.layers[i])
+
+    def _subset_argmax(self, h: mx.array, allowed: mx.array | None) -> tuple[mx.array, mx.array]:
+        """A greedy draft step on the subset's scores alone: (token [1] int32, confidence [1]), the token and
+        confidence that choose() and sureness() give over the scattered full-vocabulary logits (-inf off the
+        subset), without building them: on this CPU the scatter, mask and softmax over 49,152 logits cost ~2 of a
+        ~7.5 ms step. `allowed` [V'] bool: the grammar's first position, gathered to the subset."""
+        scores = self._subset.scores(h).astype(mx.float32)
+        if allowed is not None:
+            scores = within(scores, allowed[self._subset.ids])
+        best = mx.argmax(scores, axis=-1)
+        return self._subset.ids[best], sureness(scores, None)
+
     def _pending_hidden(self) -> mx.array:
         """The pending slots' target hidden rows as one array [P, H]."""
         return mx.concatenate(self._pend_h) if len(self._pend_h) > 1 else self._pend_h[0]
@@ -252,9 +269,17 @@ class MTPDrafter:
         tokens, probs, confidence = [], [], []
         for i in range(k):
             li = i % self.num_layers
+            allowed = first_allowed if i == 0 else None
+            if self._greedy_on_subset(li, sampling):
+                tok, sure = self._subset_argmax(h, allowed)
+                tokens.append(tok)
+                confidence.append(sure)
+                if i + 1 < k:
+                    h = self._run((i + 1) % self.num_layers, tok, h)
+                continue
             logits = self._logits(li, h, tokens)
-            if i == 0 and first_allowed is not None:
-                logits = within(logits, first_allowed)
+            if allowed is not None:
+                logits = within(logits, allowed)
             context = mx.concatenate([window, *tokens]) if window is not None else None
             tok, p = choose(logits, context, sampling, keys[i])
             tok = tok.astype(mx.int32)
