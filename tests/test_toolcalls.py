@@ -401,6 +401,31 @@ def test_a_model_s_own_call_ids_are_kept():
     assert ids[0] == "functions.get_weather:0" and ids[1].startswith("call_")
 
 
+def test_kimi_k2_s_template_gets_call_ids_in_its_own_form():
+    """Kimi K2's template renders each call's id (and `## Return of ID`): a client's own ids (OpenAI's
+    call_..., Anthropic's toolu_...) reach it as `functions.NAME:N`, N the conversation's running call index,
+    the same in the call and its result; the model's own ids are kept."""
+    from mlx_engine.toolcalls import template_input
+
+    def call(cid, name):
+        return {"id": cid, "type": "function", "function": {"name": name, "arguments": "{}"}}
+
+    history = [{"role": "user", "content": "go"},
+               {"role": "assistant", "content": "", "tool_calls": [call("functions.get_weather:0", "get_weather"),
+                                                                   call("toolu_01A", "add")]},
+               {"role": "tool", "tool_call_id": "functions.get_weather:0", "content": "sunny"},
+               {"role": "tool", "tool_call_id": "toolu_01A", "content": "3"},
+               {"role": "assistant", "content": "", "tool_calls": [call("call_xyz", "add")]},
+               {"role": "tool", "tool_call_id": "call_xyz", "content": "4"}]
+    got, _ = template_input(history, KIMI_K2, [WEATHER, ADD])
+    assert [c["id"] for m in got for c in m.get("tool_calls", [])] == [
+        "functions.get_weather:0", "functions.add:1", "functions.add:2"]
+    assert [m["tool_call_id"] for m in got if m["role"] == "tool"] == [
+        "functions.get_weather:0", "functions.add:1", "functions.add:2"]
+    other, _ = template_input(history, QWEN3_CODER, [WEATHER, ADD])  # other families: ids as the client sent
+    assert [m["tool_call_id"] for m in other if m["role"] == "tool"][1:] == ["toolu_01A", "call_xyz"]
+
+
 def test_llama3_auto_is_text_or_one_call_held_to_the_schema():
     """Llama 3 has no opener: the whole answer is a call or it is text. Text may not begin as a call does."""
     import numpy as np

@@ -11,11 +11,13 @@ generated and the prefix cache still matches.
 from __future__ import annotations
 
 import json
+import re
 
 from ..grammar.requests import CALL_CLOSE, CALL_OPEN, tools_system_text
 from .formats import ToolFormat
 
 RESULT_OPEN, RESULT_CLOSE = "<tool_response>", "</tool_response>"
+KIMI_ID = re.compile(r"functions\.[^:\s]+:\d+")  # Kimi K2's own call ids: functions.NAME:N
 
 
 def _arguments(text):
@@ -25,6 +27,32 @@ def _arguments(text):
         return json.loads(text)
     except json.JSONDecodeError:
         return text  # the client's own text: passed as it is
+
+
+def _kimi_ids(messages: list[dict]) -> list[dict]:
+    """Kimi K2's template writes each call's id into the prompt, in the call and in `## Return of ID` before
+    its result; the model writes `functions.NAME:N` (N: the conversation's running call index), the id the
+    client gets back. An id of another form (a client's `call_...`, Anthropic's `toolu_...`, a history from
+    another model) is rewritten in that form, the same in the call and in the results that name it; the
+    model's own ids are kept (the rewrite depends on the history alone, so the prefix cache still matches)."""
+    renamed, n, out = {}, 0, []
+    for m in messages:
+        if m.get("tool_calls"):
+            calls = []
+            for c in m["tool_calls"]:
+                cid = c.get("id")
+                if not (isinstance(cid, str) and KIMI_ID.fullmatch(cid)):
+                    new = f"functions.{c['function']['name']}:{n}"
+                    if isinstance(cid, str):
+                        renamed.setdefault(cid, new)
+                    c = {**c, "id": new}
+                calls.append(c)
+                n += 1
+            m = {**m, "tool_calls": calls}
+        elif m.get("role") == "tool" and m.get("tool_call_id") in renamed:
+            m = {**m, "tool_call_id": renamed[m["tool_call_id"]]}
+        out.append(m)
+    return out
 
 
 def _native(messages: list[dict], as_text: bool) -> list[dict]:
@@ -74,5 +102,6 @@ def template_input(messages: list[dict], fmt: ToolFormat, tools: list[dict] | No
     to the template as an object (transformers' convention, Qwen's and Llama's templates) or, when
     `arguments_as_text`, as the JSON text (DeepSeek-V3's template concatenates them as a string)."""
     if fmt.native:
-        return _native(messages, arguments_as_text), ({"tools": tools} if tools else {})
+        native = _native(messages, arguments_as_text)
+        return (_kimi_ids(native) if fmt.name == "kimi_k2" else native), ({"tools": tools} if tools else {})
     return _generic(messages, tools), {}
