@@ -3,6 +3,7 @@ drafting with its own drafter state, one verify pass for all, per-row rollback. 
 equals the same request served alone."""
 
 import mlx.core as mx
+import numpy as np
 import pytest
 
 import tiny_models
@@ -236,12 +237,20 @@ def test_batch_cache_rows_match_single_caches():
 
 
 @pytest.mark.cpu_exact
-def test_batched_mtp_drafts_what_a_head_per_row_drafts(tmp_path_factory, monkeypatch):
+@pytest.mark.parametrize("subset", [False, True], ids=["full-vocabulary", "vocab-subset"])
+def test_batched_mtp_drafts_what_a_head_per_row_drafts(tmp_path_factory, monkeypatch, subset):
     """One head pass for all rows (drafters/mtp/batched.py) proposes, step by step, exactly the drafts of
-    a separate MTP drafter per row, with rows joining and leaving, and the outputs equal alone."""
+    a separate MTP drafter per row, with rows joining and leaving, and the outputs equal alone; also on a
+    reduced draft vocabulary (greedy: the argmax of the subset's scores)."""
+    from mlx_engine.drafters.mtp.drafter import MTPDrafter
+
     folder = make(tmp_path_factory, "deepseek_v3")
     model, config = load_hf(folder)
     drafter = load_mtp_drafter(model, folder, config)
+    if subset:  # every other token id, shuffled
+        ids = np.random.default_rng(5).permutation(np.arange(0, model.args.vocab_size, 2))
+        drafter.head.set_vocab_subset(mx.array(ids, dtype=mx.int32))
+        drafter = MTPDrafter(drafter.head, drafter.target)
     reqs = {i: (p, 14 + 4 * i, {}) for i, p in enumerate(PROMPTS[:4])}
     logs = {}
     for batched in (False, True):

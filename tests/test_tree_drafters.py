@@ -146,13 +146,11 @@ def test_the_mtp_chain_s_greedy_draft_on_a_subset_is_the_scattered_logits_choice
 
 def load_with_subset(model, folder, config, ids):
     """The MTP drafter with the head's reduced draft vocabulary set (as a head file's `vocab_subset` does)."""
-    from mlx_engine.drafters.vocab_subset import SubsetOutput
+    from mlx_engine.drafters.mtp.drafter import MTPDrafter
 
     mtp = load_mtp_drafter(model, folder, config)
     mtp.head.set_vocab_subset(mx.array(ids, dtype=mx.int32))
-    mtp.vocab_subset = mtp.head.vocab_subset
-    mtp._subset = SubsetOutput(mtp.target, mtp.vocab_subset, mtp.target.vocab_size)
-    return mtp
+    return MTPDrafter(mtp.head, mtp.target)
 
 
 class SecondBestOracle(MTPTreeDrafter):

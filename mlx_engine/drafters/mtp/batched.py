@@ -135,27 +135,30 @@ class BatchedMTP:
         tokens, probs, confidence = [], [[] for _ in range(b)], []
         for step in range(k):
             li = step % self.L
-            layer = self.head.layers[li]
-            logits = layer.head(h) if "head" in layer else self._logits(h)
-            if step == 0 and first_allowed is not None:
-                logits = within(logits, first_allowed)
-            if all_greedy:
-                tok = mx.argmax(logits, axis=-1).astype(mx.int32)
-                confidence.append(sureness(logits, None))
+            allowed = first_allowed if step == 0 else None
+            if all_greedy and self.proto._on_subset(li):  # the argmax on the reduced vocabulary's scores alone
+                tok, sure = self.proto._subset_argmax(h, allowed)
             else:
-                picked, sure = [], []
-                for i, cfg in enumerate(samplings):
-                    context = None
-                    if cfg.penalized:
-                        context = mx.concatenate([mx.array(self.history[i][-cfg.repetition_context :]),
-                                                  *[t[i : i + 1] for t in tokens]])
-                    t, p = choose(logits[i : i + 1], context, cfg, rows_keys[i][step])
-                    picked.append(t.astype(mx.int32))
-                    probs[i].append(p)
-                    sure.append(sureness(logits[i : i + 1], p))
-                tok = mx.concatenate(picked)
-                confidence.append(mx.concatenate(sure))
+                layer = self.head.layers[li]
+                logits = layer.head(h) if "head" in layer else self._logits(h)
+                if allowed is not None:
+                    logits = within(logits, allowed)
+                if all_greedy:
+                    tok, sure = mx.argmax(logits, axis=-1).astype(mx.int32), sureness(logits, None)
+                else:
+                    picked, sures = [], []
+                    for i, cfg in enumerate(samplings):
+                        context = None
+                        if cfg.penalized:
+                            context = mx.concatenate([mx.array(self.history[i][-cfg.repetition_context :]),
+                                                      *[t[i : i + 1] for t in tokens]])
+                        t, p = choose(logits[i : i + 1], context, cfg, rows_keys[i][step])
+                        picked.append(t.astype(mx.int32))
+                        probs[i].append(p)
+                        sures.append(sureness(logits[i : i + 1], p))
+                    tok, sure = mx.concatenate(picked), mx.concatenate(sures)
             tokens.append(tok)
+            confidence.append(sure)
             if step + 1 < k:
                 h = self._layer((step + 1) % self.L, tok[:, None], h[:, None])[:, 0]
         drafted, sure = mx.stack(tokens, axis=1), mx.stack(confidence, axis=1)  # [B, k] each

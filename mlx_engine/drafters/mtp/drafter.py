@@ -154,20 +154,24 @@ class MTPDrafter:
             return self._subset(h)
         return self.target.lm_head(h)
 
+    def _on_subset(self, i: int) -> bool:
+        """Whether draft step i scores the reduced vocabulary (not a layer's own output head)."""
+        return self._subset is not None and "head" not in self.head.layers[i]
+
     def _greedy_on_subset(self, i: int, sampling: SamplingConfig) -> bool:
         """Whether draft step i is an argmax over the reduced vocabulary with nothing that reads the full
         vocabulary's logits (no logit bias, no penalty; `_subset_argmax`)."""
-        return (self._subset is not None and sampling.greedy and not sampling.logit_bias and not sampling.penalized
-                and "head" not in self.head.layers[i])
+        return self._on_subset(i) and sampling.greedy and not sampling.logit_bias and not sampling.penalized
 
     def _subset_argmax(self, h: mx.array, allowed: mx.array | None) -> tuple[mx.array, mx.array]:
-        """A greedy draft step on the subset's scores alone: (token [1] int32, confidence [1]), the token and
-        confidence that choose() and sureness() give over the scattered full-vocabulary logits (-inf off the
-        subset), without building them: on this CPU the scatter, mask and softmax over 49,152 logits cost ~2 of a
-        ~7.5 ms step. `allowed` [V'] bool: the grammar's first position, gathered to the subset."""
+        """A greedy draft step on the subset's scores alone: h [B, H] -> (tokens [B] int32, confidences [B]), the
+        tokens and confidences that argmax and sureness() give over the scattered full-vocabulary logits (-inf
+        off the subset), without building them: on this CPU the scatter, mask and softmax over 49,152 logits
+        cost ~2 of a ~7.5 ms step. `allowed` [V'] or [B, V'] bool: a grammar's first position, gathered to the
+        subset."""
         scores = self._subset.scores(h).astype(mx.float32)
         if allowed is not None:
-            scores = within(scores, allowed[self._subset.ids])
+            scores = within(scores, mx.take(allowed, self._subset.ids, axis=-1))
         best = mx.argmax(scores, axis=-1)
         return self._subset.ids[best], sureness(scores, None)
 
