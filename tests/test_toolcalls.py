@@ -371,6 +371,17 @@ def test_a_pythonic_call_names_only_python_identifiers():
     text = "<|tool_call_start|>[tools.add(x=3)]<|tool_call_end|>"
     m.consume(gu.encode(text))
     assert _ends_here(m) and split(PYTHONIC, text, [], tools=[tool("tools.add")])[2] == [("tools.add", '{"x": 3}')]
+    # the server: a forced call of such a tool is a 400 naming it; under auto the answer is parsed, not held
+    from mlx_engine.serve.errors import APIError
+    from mlx_engine.serve.turn import Turn, prepare
+
+    tok = _tokenizer("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+                     "{% if tools %}{{- '<|tool_call_start|>' }}{% endif %}")
+    dashed = {**tool("get-weather"), "function": {**tool("get-weather")["function"], "strict": True}}
+    messages = [{"role": "user", "content": "weather?"}]
+    with pytest.raises(APIError, match="get-weather"):
+        prepare(Turn("m", messages=messages, tools=[dashed], tool_choice="required"), tok, gu.VOCAB)
+    assert prepare(Turn("m", messages=messages, tools=[dashed], tool_choice="auto"), tok, gu.VOCAB).grammar is None
 
 
 def test_a_recursive_schema_is_held_to_its_first_level_in_gemma4_s_calls():

@@ -13,7 +13,7 @@ from ..grammar import GrammarError, grammar_tokenizer
 from ..grammar.requests import from_response_format
 from ..sampling import SamplingConfig
 from ..toolcalls import detect, template_input
-from ..toolcalls.formats import DS_CALL_BEGIN, DS_CALL_END, DS_SEP, PYTHON_TAG, ToolFormat
+from ..toolcalls.formats import DS_CALL_BEGIN, DS_CALL_END, DS_SEP, PYTHON_TAG, ToolFormat, UnwritableCall
 from ..toolcalls.grammars import forced_call, optional_calls, strict_view
 from .errors import APIError
 
@@ -139,6 +139,10 @@ def prepare(turn: Turn, tokenizer, vocab_size: int) -> Prepared:
             else:  # tool_choice auto with strict tools: free text, and any call held to its schema
                 grammar = optional_calls(fmt, strict_view(turn.tools), _llg(tokenizer, vocab_size),
                                          turn.parallel_tool_calls)
+        except UnwritableCall as e:
+            if forced is not None:
+                raise APIError(400, f"tools: {e}", param="tools") from None
+            grammar = None  # auto: the model's format cannot write every strict tool's call; parsed, not held
         except (GrammarError, ValueError) as e:
             raise APIError(400, f"tools: {e}", param="tools") from None
     if grammar is not None and think is not None:  # a reasoning model: the grammar starts after its reasoning

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from ..grammar.requests import definitions, local_ref
+from ..grammar.spec import GrammarError
 
 DS_CALLS_BEGIN, DS_CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
 DS_CALL_BEGIN, DS_CALL_END, DS_SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
@@ -37,6 +38,11 @@ FG_CALL_START, FG_CALL_END, FG_ESCAPE = "<start_function_call>", "<end_function_
 
 class ToolCallError(ValueError):
     """Text between a format's markers that is not a call."""
+
+
+class UnwritableCall(GrammarError):
+    """A call of a tool that a family's format cannot write (LFM2's pythonic calls: a name that is no Python
+    identifier): a forced call is refused; under tool_choice auto the answer is parsed, not constrained."""
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ enums held by llguidance), a boolean as Python's True / False or JSON's. Argumen
 declares them, the required ones always, "," (and a space, as the models write) only between those written; a
 tool whose parameters declare no properties takes any identifier keys with JSON values. A tool's name and its
 parameters' names must be Python identifiers (not keywords; a name may be dotted): nothing else parses back,
-so any other is a GrammarError.
+so any other is refused (formats.UnwritableCall: a forced call is a 400, auto goes unconstrained).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import llguidance
 
 from ..grammar.requests import _literal, definitions, tool_parts
 from ..grammar.spec import JSON_OPTIONS, GrammarError
+from .formats import UnwritableCall
 from .lark_items import separated
 
 OPEN, CLOSE = "<|tool_call_start|>", "<|tool_call_end|>"
@@ -48,8 +49,8 @@ def _arguments(name: str, params: dict) -> str:
         return f"({one} ({COMMA} {one})*)?"
     for key in props:
         if not _identifier(key):
-            raise GrammarError(f"tool {name!r}: parameter {key!r} is not a Python identifier, which a pythonic "
-                               "call cannot write")
+            raise UnwritableCall(f"tool {name!r}: parameter {key!r} is not a Python identifier, which a pythonic "
+                                 "call cannot write")
     required = set(params.get("required") or [])
     items = [f"{json.dumps(key + '=')} {_value(schema, defs)}" for key, schema in props.items()]
     return separated(items, [key in required for key in props], COMMA)
@@ -61,7 +62,7 @@ def pythonic_calls(tools: list[dict], tokenizer: llguidance.LLTokenizer, paralle
     for tool in tools:
         name, params = tool_parts(tool)
         if not _identifier(name, dotted=True):
-            raise GrammarError(f"tool {name!r}: a pythonic call names a Python identifier, not {name!r}")
+            raise UnwritableCall(f"tool {name!r}: a pythonic call names a Python identifier, not {name!r}")
         alts.append(f'{json.dumps(name + "(")} {_arguments(name, params)} ")"')
     more = f" ({COMMA} call)*" if parallel else ""
     return OPEN, (f'rest: "[" call{more} "]" {_literal(CLOSE, tokenizer)}\n'
