@@ -355,6 +355,39 @@ def test_each_family_s_published_calls_are_what_its_forced_grammar_allows(fmt, t
         one.consume([gu.eos()])
 
 
+# LFM2's template as its model card describes it: the tools listed in the system turn, each message's content
+# (a tool result between its markers), and never a message's tool_calls
+LFM2_TEMPLATE = ("{%- if tools -%}<|im_start|>system\nList of tools: <|tool_list_start|>{{ tools | tojson }}"
+                 "<|tool_list_end|><|im_end|>\n{%- endif -%}{%- for m in messages -%}<|im_start|>{{ m.role }}\n"
+                 "{%- if m.role == 'tool' -%}<|tool_response_start|>{{ m.content }}<|tool_response_end|>"
+                 "{%- else -%}{{ m.content }}{%- endif -%}<|im_end|>\n{%- endfor -%}"
+                 "{%- if add_generation_prompt -%}<|im_start|>assistant\n{%- endif -%}")
+
+
+def test_an_lfm2_history_s_calls_are_written_into_its_content():
+    """LFM2's template renders an assistant's content only: a history's calls reach it as the model writes
+    them, `<|tool_call_start|>[name(key=value, ...)]<|tool_call_end|>` (Python's True, a nested object as a
+    dict), and its parser reads them back into the same calls, key order kept. A template that reads
+    tool_calls gets them as they are."""
+    from mlx_engine.serve.turn import Turn, prepare
+    from mlx_engine.toolcalls import template_input
+
+    tok = _tokenizer(LFM2_TEMPLATE)
+    assert detect(tok).name == "pythonic"
+    edit = {"id": "call_3", "type": "function", "function": {
+        "name": "edit", "arguments": '{"path": "a \\"b\\".py", "dry": true, "at": {"line": 3}}'}}
+    history = HISTORY[:2] + [{**HISTORY[2], "content": "Checking.", "tool_calls": HISTORY[2]["tool_calls"] + [edit]}]
+    text = tok.decode(prepare(Turn("m", messages=history, tools=[WEATHER, ADD]), tok, gu.VOCAB).prompt,
+                      skip_special_tokens=False)
+    assert ('<|tool_call_start|>[get_weather(unit="c", city="Paris"), add(b=2, a=1), '
+            'edit(path="a \\"b\\".py", dry=True, at={"line": 3})]<|tool_call_end|>Checking.') in text
+    assert _calls_in(text, PYTHONIC) == [("get_weather", '{"unit": "c", "city": "Paris"}'), ("add", '{"b": 2, "a": 1}'),
+                                         ("edit", '{"path": "a \\"b\\".py", "dry": true, "at": {"line": 3}}')]
+    reads = LFM2_TEMPLATE + "{% for m in messages %}{{ m.tool_calls }}{% endfor %}"
+    messages, _ = template_input(history, PYTHONIC, [WEATHER], template=reads)
+    assert messages[2]["tool_calls"] and messages[2]["content"] == "Checking."
+
+
 def test_a_pythonic_call_names_only_python_identifiers():
     """LFM2's calls are Python: a tool or parameter name Python cannot write is refused by name, not
     constrained into text the parser cannot read; a dotted name is a Python name."""

@@ -99,7 +99,8 @@ def marker_texts(answer: AnswerSpec) -> list[str]:
 
 
 def _render(turn: Turn, tokenizer, fmt: ToolFormat) -> list[int]:
-    messages, extra = template_input(turn.messages, fmt, turn.offered)
+    template = getattr(tokenizer, "chat_template", None)
+    messages, extra = template_input(turn.messages, fmt, turn.offered, template=template)
     kwargs = {**turn.template_kwargs, **extra}
     if not getattr(tokenizer, "chat_template", None):  # no template: role lines
         text = "".join(f"{m['role']}: {m.get('content') or ''}\n" for m in messages) + "assistant: "
@@ -110,7 +111,7 @@ def _render(turn: Turn, tokenizer, fmt: ToolFormat) -> list[int]:
         except TypeError:  # a template that concatenates a call's arguments as text (DeepSeek-V3's)
             if not any(m.get("tool_calls") for m in messages):
                 raise
-            messages, _ = template_input(turn.messages, fmt, turn.offered, arguments_as_text=True)
+            messages, _ = template_input(turn.messages, fmt, turn.offered, arguments_as_text=True, template=template)
             ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **kwargs)
     except Exception as e:
         if type(e).__module__.startswith("jinja2"):  # the template refused the conversation (e.g. roles)

@@ -1,6 +1,9 @@
 """A conversation with tools, as the model reads it: through its own chat template when the template has a
 tool section, else in the generic form (the tools described in the system message, earlier calls written
 as `<tool_call>` blocks in the assistant's text, results as `<tool_response>` blocks in a user message).
+A family whose template renders an assistant's content only, never its `tool_calls` (LFM2's: its calls
+are text the model wrote), gets its earlier calls written into the content as the model writes them
+(`CALL_WRITERS`), or its history would show turns that called nothing.
 
 Messages are OpenAI's chat shapes as dicts: {"role", "content", "tool_calls": [{"id", "function":
 {"name", "arguments"}}], "tool_call_id", "name", "reasoning_content"}. A call's arguments reach the template
@@ -55,6 +58,45 @@ def _kimi_ids(messages: list[dict]) -> list[dict]:
     return out
 
 
+def _python_literal(value) -> str:
+    """A JSON value as a Python literal (strings double-quoted, as LFM2's models write them)."""
+    if isinstance(value, bool):
+        return "True" if value else "False"
+    if value is None:
+        return "None"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{json.dumps(k, ensure_ascii=False)}: {_python_literal(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, list):
+        return "[" + ", ".join(_python_literal(v) for v in value) + "]"
+    return json.dumps(value, ensure_ascii=False)
+
+
+def pythonic_text(fmt: ToolFormat, calls: list[dict]) -> str:
+    """Calls as LFM2's models write them: `<|tool_call_start|>[name(key=value, ...), ...]<|tool_call_end|>`."""
+    out = []
+    for c in calls:
+        args = _arguments(c["function"].get("arguments") or "{}")
+        body = (", ".join(f"{k}={_python_literal(v)}" for k, v in args.items()) if isinstance(args, dict)
+                else str(args))  # (the client's own text: as it is)
+        out.append(f"{c['function']['name']}({body})")
+    return f"{fmt.start}[{', '.join(out)}]{fmt.end}"
+
+
+CALL_WRITERS = {"pythonic": pythonic_text}  # format -> its calls as text, for a template that renders content only
+
+
+def _calls_into_content(messages: list[dict], fmt: ToolFormat) -> list[dict]:
+    """Each assistant message's calls written before its content, as the model writes them (its model card's
+    turns open with the call)."""
+    out = []
+    for m in messages:
+        if m.get("role") == "assistant" and m.get("tool_calls"):
+            text = CALL_WRITERS[fmt.name](fmt, m["tool_calls"]) + (m.get("content") or "")
+            m = {**{k: v for k, v in m.items() if k != "tool_calls"}, "content": text}
+        out.append(m)
+    return out
+
+
 def _native(messages: list[dict], as_text: bool) -> list[dict]:
     out = []
     for m in messages:
@@ -96,11 +138,15 @@ def _generic(messages: list[dict], tools: list[dict] | None) -> list[dict]:
 
 
 def template_input(messages: list[dict], fmt: ToolFormat, tools: list[dict] | None,
-                   arguments_as_text: bool = False) -> tuple[list[dict], dict]:
+                   arguments_as_text: bool = False, template: str | None = None) -> tuple[list[dict], dict]:
     """(the messages for the chat template, its extra arguments): `tools` for a native template; none given
     (tool_choice "none") renders the calls and results of the history all the same. A call's arguments go
     to the template as an object (transformers' convention, Qwen's and Llama's templates) or, when
-    `arguments_as_text`, as the JSON text (DeepSeek-V3's template concatenates them as a string)."""
+    `arguments_as_text`, as the JSON text (DeepSeek-V3's template concatenates them as a string).
+    `template`: the chat template's text; one that never reads `tool_calls` gets the calls in the content
+    (CALL_WRITERS)."""
+    if fmt.native and fmt.name in CALL_WRITERS and isinstance(template, str) and "tool_calls" not in template:
+        messages = _calls_into_content(messages, fmt)
     if fmt.native:
         native = _native(messages, arguments_as_text)
         return (_kimi_ids(native) if fmt.name == "kimi_k2" else native), ({"tools": tools} if tools else {})

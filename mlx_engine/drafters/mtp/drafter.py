@@ -275,21 +275,17 @@ class MTPDrafter:
             li = i % self.num_layers
             allowed = first_allowed if i == 0 else None
             if self._greedy_on_subset(li, sampling):
-                tok, sure = self._subset_argmax(h, allowed)
-                tokens.append(tok)
-                confidence.append(sure)
-                if i + 1 < k:
-                    h = self._run((i + 1) % self.num_layers, tok, h)
-                continue
-            logits = self._logits(li, h, tokens)
-            if allowed is not None:
-                logits = within(logits, allowed)
-            context = mx.concatenate([window, *tokens]) if window is not None else None
-            tok, p = choose(logits, context, sampling, keys[i])
-            tok = tok.astype(mx.int32)
+                (tok, sure), p = self._subset_argmax(h, allowed), None
+            else:
+                logits = self._logits(li, h, tokens)
+                if allowed is not None:
+                    logits = within(logits, allowed)
+                context = mx.concatenate([window, *tokens]) if window is not None else None
+                tok, p = choose(logits, context, sampling, keys[i])
+                tok, sure = tok.astype(mx.int32), sureness(logits, p)
             tokens.append(tok)
             probs.append(p)
-            confidence.append(sureness(logits, p))
+            confidence.append(sure)
             if i + 1 < k:
                 h = self._run((i + 1) % self.num_layers, tok, h)
         draft_tokens = mx.concatenate(tokens)
