@@ -102,7 +102,7 @@ def _render(turn: Turn, tokenizer, fmt: ToolFormat) -> list[int]:
     template = getattr(tokenizer, "chat_template", None)
     messages, extra = template_input(turn.messages, fmt, turn.offered, template=template)
     kwargs = {**turn.template_kwargs, **extra}
-    if not getattr(tokenizer, "chat_template", None):  # no template: role lines
+    if not template:  # no template: role lines
         text = "".join(f"{m['role']}: {m.get('content') or ''}\n" for m in messages) + "assistant: "
         return list(tokenizer.encode(text))
     try:

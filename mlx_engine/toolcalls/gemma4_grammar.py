@@ -23,9 +23,9 @@ import json
 import llguidance
 
 from ..grammar.requests import _literal, definitions, local_ref, tool_parts
-from ..grammar.spec import JSON_OPTIONS, GrammarError
+from ..grammar.spec import GrammarError
 from .formats import FG_CALL_END, FG_CALL_START, FG_ESCAPE
-from .lark_items import separated, text_until
+from .lark_items import json_item, separated, text_until
 
 OPEN, CLOSE, QUOTE = "<|tool_call>", "<tool_call|>", '<|"|>'
 TERMINALS = ('NUMBER: /-?(0|[1-9][0-9]*)(\\.[0-9]+)?([eE][+-]?[0-9]+)?/\n'
@@ -76,7 +76,7 @@ class _Writer:
         if kind == "string":
             return self.string
         if kind in ("integer", "number", "boolean", "null"):  # written as JSON writes them: its bounds held
-            return f"%json {json.dumps({**schema, 'x-guidance': JSON_OPTIONS})}"
+            return json_item(schema)
         if kind == "array":
             item = self.value(schema.get("items", {}))
             return f'"[" ({item} ("," {item})*)? "]"'

@@ -19,26 +19,20 @@ import json
 import llguidance
 
 from ..grammar.requests import CALL_CLOSE, CALL_OPEN, _literal, tool_call_schema
-from ..grammar.spec import JSON_OPTIONS
 from .formats import DS_CALL_BEGIN, DS_CALL_END, DS_CALLS_BEGIN, DS_CALLS_END, DS_SEP
+from .lark_items import json_item
 
 KIMI_SECTION = ("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>")
 KIMI_CALL = ("<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>")
 MISTRAL_CALLS, MISTRAL_ARGS = "[TOOL_CALLS]", "[ARGS]"
 
 
-def one_of(schemas: list[dict]) -> str:
-    """A %json item's schema text: one of `schemas`, written with JSON_OPTIONS."""
-    schema = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
-    return json.dumps({**schema, "x-guidance": JSON_OPTIONS})
-
-
 def _named(tools: list[dict]) -> list[tuple[str, str]]:
-    """(name, the %json schema text of its arguments) per tool."""
+    """(name, the Lark item of its arguments) per tool."""
     out = []
     for t in tools:
         s = tool_call_schema(t)
-        out.append((s["properties"]["name"]["const"], one_of([s["properties"]["arguments"]])))
+        out.append((s["properties"]["name"]["const"], json_item(s["properties"]["arguments"])))
     return out
 
 
@@ -47,7 +41,7 @@ def _alternatives(items: list[str]) -> str:
 
 
 def json_block_calls(tools: list[dict], tokenizer: llguidance.LLTokenizer, parallel: bool) -> tuple[str, str]:
-    one = f'"\\n" %json {one_of([tool_call_schema(t) for t in tools])} "\\n" {_literal(CALL_CLOSE, tokenizer)}'
+    one = f'"\\n" {json_item(*map(tool_call_schema, tools))} "\\n" {_literal(CALL_CLOSE, tokenizer)}'
     more = f' ("\\n" {_literal(CALL_OPEN, tokenizer)} {one})*' if parallel else ""
     return CALL_OPEN, f"rest: {one}{more}\n"
 
@@ -56,8 +50,8 @@ def deepseek_calls(tools: list[dict], tokenizer: llguidance.LLTokenizer, paralle
     begin, sep, end = (_literal(t, tokenizer) for t in (DS_CALL_BEGIN, DS_SEP, DS_CALL_END))
     alts = []
     for name, args in _named(tools):
-        v3 = f'"function" {sep} {json.dumps(name + chr(10) + "```json" + chr(10))} %json {args} "\\n```"'
-        v31 = f"{json.dumps(name)} {sep} %json {args}"
+        v3 = f'"function" {sep} {json.dumps(name + chr(10) + "```json" + chr(10))} {args} "\\n```"'
+        v31 = f"{json.dumps(name)} {sep} {args}"
         alts += [v3, v31]
     many = 'call ("\\n"? call)*' if parallel else "call"  # (V3's template puts a newline between calls)
     return DS_CALLS_BEGIN, (f"rest: {many} {_literal(DS_CALLS_END, tokenizer)}\n"
@@ -66,7 +60,7 @@ def deepseek_calls(tools: list[dict], tokenizer: llguidance.LLTokenizer, paralle
 
 def kimi_k2_calls(tools: list[dict], tokenizer: llguidance.LLTokenizer, parallel: bool) -> tuple[str, str]:
     begin, args_begin, end = (_literal(t, tokenizer) for t in KIMI_CALL)
-    alts = [f'{json.dumps("functions." + name + ":")} CALL_INDEX {args_begin} %json {args}' for name, args in _named(tools)]
+    alts = [f'{json.dumps("functions." + name + ":")} CALL_INDEX {args_begin} {args}' for name, args in _named(tools)]
     many = "call+" if parallel else "call"
     return KIMI_SECTION[0], (f"rest: {many} {_literal(KIMI_SECTION[1], tokenizer)}\n"
                              f"call: {begin} ({_alternatives(alts)}) {end}\nCALL_INDEX: /[0-9]+/\n")
@@ -74,12 +68,12 @@ def kimi_k2_calls(tools: list[dict], tokenizer: llguidance.LLTokenizer, parallel
 
 def mistral_calls(tools: list[dict], tokenizer: llguidance.LLTokenizer, parallel: bool) -> tuple[str, str]:
     opener, args_tag = _literal(MISTRAL_CALLS, tokenizer), _literal(MISTRAL_ARGS, tokenizer)
-    header = "(" + _alternatives([f"{json.dumps(name)} {args_tag} %json {args}" for name, args in _named(tools)]) + ")"
+    header = "(" + _alternatives([f"{json.dumps(name)} {args_tag} {args}" for name, args in _named(tools)]) + ")"
     listed = {"type": "array", "items": {"anyOf": [tool_call_schema(t) for t in tools]}, "minItems": 1}
     if not parallel:
         listed["maxItems"] = 1
     more = f" ({opener} {header})*" if parallel else ""
-    return MISTRAL_CALLS, f"rest: {header}{more} | %json {one_of([listed])}\n"
+    return MISTRAL_CALLS, f"rest: {header}{more} | {json_item(listed)}\n"
 
 
 def llama3_call(tools: list[dict]) -> str:
@@ -88,4 +82,4 @@ def llama3_call(tools: list[dict]) -> str:
                                                  "parameters": s["properties"]["arguments"]},
                 "required": ["name", "parameters"], "additionalProperties": False}
                for s in map(tool_call_schema, tools)]
-    return f"%json {one_of(schemas)}"
+    return json_item(*schemas)

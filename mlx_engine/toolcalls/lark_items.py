@@ -1,5 +1,5 @@
-"""Pieces of Lark text shared by the call grammars: free text that stops at a marker, and a separated list
-whose optional members may be left out.
+"""Pieces of Lark text shared by the call grammars: free text that stops at a marker, a separated list
+whose optional members may be left out, JSON held to a schema, a boolean as JSON or Python writes it.
 
 llguidance's lexer is greedy and never goes back, so "free text, then a marker" cannot be two lexemes when
 the marker is text (the text lexeme would run on over it). Where the tokenizer holds the marker as one special
@@ -9,9 +9,20 @@ marker's first appearance, built with the regex operators & and ~.
 
 from __future__ import annotations
 
+import json
+
 import llguidance
 
 from ..grammar.requests import _literal
+from ..grammar.spec import JSON_OPTIONS
+
+BOOLEAN = '("true" | "false" | "True" | "False")'  # JSON's or Python's (a template's `| string` writes True)
+
+
+def json_item(*schemas: dict) -> str:
+    """A Lark item for JSON held to one of `schemas` (llguidance's %json, written with JSON_OPTIONS)."""
+    schema = schemas[0] if len(schemas) == 1 else {"anyOf": list(schemas)}
+    return f"%json {json.dumps({**schema, 'x-guidance': JSON_OPTIONS})}"
 
 
 def regex_text(text: str) -> str:

@@ -20,9 +20,9 @@ import keyword
 import llguidance
 
 from ..grammar.requests import _literal, definitions, tool_parts
-from ..grammar.spec import JSON_OPTIONS, GrammarError
+from ..grammar.spec import GrammarError
 from .formats import UnwritableCall
-from .lark_items import separated
+from .lark_items import BOOLEAN, json_item, separated
 
 OPEN, CLOSE = "<|tool_call_start|>", "<|tool_call_end|>"
 COMMA = '"," " "?'
@@ -38,14 +38,14 @@ def _value(schema, defs: dict) -> str:
     if not isinstance(schema, dict):
         raise GrammarError(f"a parameter's schema must be an object, got {schema!r}")
     if schema.get("type") == "boolean":  # Python's, or JSON's (the parser takes both)
-        return '("True" | "False" | "true" | "false")'
-    return f"%json {json.dumps({**defs, **schema, 'x-guidance': JSON_OPTIONS})}"
+        return BOOLEAN
+    return json_item({**defs, **schema})
 
 
 def _arguments(name: str, params: dict) -> str:
     props, defs = params.get("properties") or {}, definitions(params)
     if not props:  # any keyword arguments
-        one = f"ANY_KEY \"=\" %json {json.dumps({'x-guidance': JSON_OPTIONS})}"
+        one = f'ANY_KEY "=" {json_item({})}'
         return f"({one} ({COMMA} {one})*)?"
     for key in props:
         if not _identifier(key):

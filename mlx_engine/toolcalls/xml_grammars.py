@@ -24,8 +24,8 @@ import json
 import llguidance
 
 from ..grammar.requests import CALL_CLOSE, CALL_OPEN, _literal, definitions, tool_parts
-from ..grammar.spec import JSON_OPTIONS, GrammarError
-from .lark_items import text_until
+from ..grammar.spec import GrammarError
+from .lark_items import BOOLEAN, json_item, text_until
 
 _COMPOSITE = ("anyOf", "oneOf", "allOf", "$ref", "properties", "items", "not")
 
@@ -47,9 +47,8 @@ def _value(schema: dict, defs: dict, text: str, closer: str) -> str:
     if _is_text(schema):
         return text
     if schema.get("type") == "boolean":  # JSON's, or Python's as a template's `| string` renders it
-        return f'("true" | "false" | "True" | "False") {closer}'
-    full = {**defs, **schema, "x-guidance": JSON_OPTIONS}  # (the parameters' definitions, for its $refs)
-    return f"%json {json.dumps(full)} {closer}"
+        return f"{BOOLEAN} {closer}"
+    return f"{json_item({**defs, **schema})} {closer}"  # (the parameters' definitions, for its $refs)
 
 
 def _parameters(tool: dict) -> tuple[str, dict, dict, set]:
