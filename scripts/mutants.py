@@ -430,6 +430,12 @@ MUTANTS = [
            "        pass\n",
            ("tests/test_toolcalls.py", "-k", "lfm2"),
            "an LFM2 history's calls never reach its template, which renders content only"),
+    Mutant("call-arguments-lose-their-defs", "mlx_engine/toolcalls/json_grammars.py",
+           "    return [(name, json_item(params)) for name, params in map(tool_parts, tools)]\n",
+           '    return [(name, json_item({k: v for k, v in params.items() if k != "$defs"})) '
+           "for name, params in map(tool_parts, tools)]\n",
+           ("tests/test_toolcalls.py", "-k", "own_defs"),
+           "a JSON-form call's arguments held to a schema whose local $refs name nothing"),
     Mutant("function-gemma-keys-sorted", "mlx_engine/toolcalls/gemma4_grammar.py",
            "        keys = sorted(props) if self.sort else list(props)\n",
            "        keys = sorted(props)\n",

@@ -327,6 +327,33 @@ def test_xml_calls_hold_each_argument_to_its_parameter_s_schema(fmt, newlines):
     assert _ends_here(m)
 
 
+@pytest.mark.parametrize("fmt,call", [
+    (JSON, '<tool_call>\n{{"name": "edit", "arguments": {a}}}\n</tool_call>'),
+    (GENERIC, '<tool_call>\n{{"name": "edit", "arguments": {a}}}\n</tool_call>'),
+    (LLAMA3, '{{"name": "edit", "parameters": {a}}}'),
+    (MISTRAL, '[TOOL_CALLS][{{"name": "edit", "arguments": {a}}}]'),
+    (MISTRAL, '[TOOL_CALLS]edit[ARGS]{a}'),
+    (DEEPSEEK, '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>edit<｜tool▁sep｜>{a}<｜tool▁call▁end｜><｜tool▁calls▁end｜>'),
+    (KIMI_K2, '<|tool_calls_section_begin|><|tool_call_begin|>functions.edit:0<|tool_call_argument_begin|>{a}'
+              '<|tool_call_end|><|tool_calls_section_end|>'),
+], ids=["json", "generic", "llama3_json", "mistral_list", "mistral", "deepseek_v31", "kimi_k2"])
+def test_json_calls_hold_arguments_whose_schema_refers_to_its_own_defs(fmt, call):
+    """A parameters schema with $defs (what pydantic writes) held in the JSON forms, forced and under auto:
+    its local $refs resolve against the parameters, wherever the call's grammar puts them (they were
+    resolved against the call's whole JSON, and compiling failed); a value off the referenced schema is
+    refused."""
+    from mlx_engine.grammar import GrammarViolation
+    from mlx_engine.toolcalls.grammars import optional_calls
+
+    good, bad = json.dumps(EDIT_ARGS), json.dumps({**EDIT_ARGS, "at": {"line": "3"}})
+    for g in (forced_call(fmt, [EDIT, ADD], gu.llg_tokenizer()), optional_calls(fmt, [EDIT, ADD], gu.llg_tokenizer())):
+        m = g.matcher()
+        m.consume(gu.encode(call.format(a=good)))
+        assert _ends_here(m)
+        with pytest.raises(GrammarViolation):
+            g.matcher().consume(gu.encode(call.format(a=bad)))
+
+
 PUBLISHED_KIMI = ('<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>'
                   '{"city": "Paris", "unit": "c"}<|tool_call_end|><|tool_call_begin|>functions.add:1'
                   '<|tool_call_argument_begin|>{"b": 2, "a": 1}<|tool_call_end|><|tool_calls_section_end|>')

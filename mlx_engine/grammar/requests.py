@@ -102,10 +102,3 @@ def local_ref(ref, defs: dict) -> dict | None:
     parts = ref.split("/") if isinstance(ref, str) else []
     named = defs.get(parts[1], {}).get(parts[2]) if len(parts) == 3 and parts[0] == "#" else None
     return named if isinstance(named, dict) else None
-
-
-def tool_call_schema(tool: dict) -> dict:
-    """The JSON of one call of an OpenAI function tool: {"name": its name, "arguments": its parameters}."""
-    name, params = tool_parts(tool)
-    return {"type": "object", "properties": {"name": {"const": name}, "arguments": params},
-            "required": ["name", "arguments"], "additionalProperties": False}

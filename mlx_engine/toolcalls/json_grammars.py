@@ -10,6 +10,10 @@ returns (the text that opens the calls, rules whose `rest` is everything after i
 - mistral: `[TOOL_CALLS]NAME[ARGS]{...}` per call (Ministral 3, Devstral, Mistral Small 3.2), or the older
   `[TOOL_CALLS][{"name": ..., "arguments": {...}}]`; the calls end the answer.
 - llama3_json (no opener): `{"name": ..., "parameters": {...}}`, as `llama3_call`.
+
+A call's arguments are always their own %json document (the JSON around them, `{"name": "NAME", "arguments": `
+and `}`, is literal text per tool), so a parameters schema's local $refs ("#/$defs/X") resolve against it, as
+its author wrote them: nested inside a call's schema they would resolve against the call's.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import json
 
 import llguidance
 
-from ..grammar.requests import CALL_CLOSE, CALL_OPEN, _literal, tool_call_schema
+from ..grammar.requests import CALL_CLOSE, CALL_OPEN, _literal, tool_parts
 from .formats import DS_CALL_BEGIN, DS_CALL_END, DS_CALLS_BEGIN, DS_CALLS_END, DS_SEP
 from .lark_items import json_item
 
@@ -29,19 +33,22 @@ MISTRAL_CALLS, MISTRAL_ARGS = "[TOOL_CALLS]", "[ARGS]"
 
 def _named(tools: list[dict]) -> list[tuple[str, str]]:
     """(name, the Lark item of its arguments) per tool."""
-    out = []
-    for t in tools:
-        s = tool_call_schema(t)
-        out.append((s["properties"]["name"]["const"], json_item(s["properties"]["arguments"])))
-    return out
+    return [(name, json_item(params)) for name, params in map(tool_parts, tools)]
 
 
 def _alternatives(items: list[str]) -> str:
     return " | ".join(f"({a})" for a in items)
 
 
+def _objects(tools: list[dict], key: str = "arguments") -> str:
+    """One of `{"name": "NAME", "<key>": ARGUMENTS}` per tool, as JSON_OPTIONS writes it."""
+    heads = [(json.dumps(f'{{"name": {json.dumps(name, ensure_ascii=False)}, "{key}": ', ensure_ascii=False), args)
+             for name, args in _named(tools)]
+    return "(" + _alternatives([f'{head} {args} "}}"' for head, args in heads]) + ")"
+
+
 def json_block_calls(tools: list[dict], tokenizer: llguidance.LLTokenizer, parallel: bool) -> tuple[str, str]:
-    one = f'"\\n" {json_item(*map(tool_call_schema, tools))} "\\n" {_literal(CALL_CLOSE, tokenizer)}'
+    one = f'"\\n" {_objects(tools)} "\\n" {_literal(CALL_CLOSE, tokenizer)}'
     more = f' ("\\n" {_literal(CALL_OPEN, tokenizer)} {one})*' if parallel else ""
     return CALL_OPEN, f"rest: {one}{more}\n"
 
@@ -69,17 +76,11 @@ def kimi_k2_calls(tools: list[dict], tokenizer: llguidance.LLTokenizer, parallel
 def mistral_calls(tools: list[dict], tokenizer: llguidance.LLTokenizer, parallel: bool) -> tuple[str, str]:
     opener, args_tag = _literal(MISTRAL_CALLS, tokenizer), _literal(MISTRAL_ARGS, tokenizer)
     header = "(" + _alternatives([f"{json.dumps(name)} {args_tag} {args}" for name, args in _named(tools)]) + ")"
-    listed = {"type": "array", "items": {"anyOf": [tool_call_schema(t) for t in tools]}, "minItems": 1}
-    if not parallel:
-        listed["maxItems"] = 1
+    listed = f'"[" object (", " object)* "]"' if parallel else '"[" object "]"'  # the older list form
     more = f" ({opener} {header})*" if parallel else ""
-    return MISTRAL_CALLS, f"rest: {header}{more} | {json_item(listed)}\n"
+    return MISTRAL_CALLS, f"rest: {header}{more} | {listed}\nobject: {_objects(tools)}\n"
 
 
 def llama3_call(tools: list[dict]) -> str:
     """Llama 3's call: the JSON {"name": ..., "parameters": {...}} of one of `tools`."""
-    schemas = [{"type": "object", "properties": {"name": {"const": s["properties"]["name"]["const"]},
-                                                 "parameters": s["properties"]["arguments"]},
-                "required": ["name", "parameters"], "additionalProperties": False}
-               for s in map(tool_call_schema, tools)]
-    return json_item(*schemas)
+    return _objects(tools, "parameters")
