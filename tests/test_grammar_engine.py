@@ -158,15 +158,21 @@ def test_drafts_leaving_the_grammar_are_cut_before_the_verify_pass():
 
 def test_a_hybrid_target_with_rejected_drafts():
     """Qwen3-Next's recurrent layers roll back by snapshot and replay; legal drafts are rejected in part;
-    the grammar's masks follow the replayed rows."""
+    the grammar's masks follow the replayed rows. With the grammar drafting, its forced runs' guessed last
+    tokens are the rejected ones; without, the guesser's random legal tokens."""
     model = tiny_models.build("qwen3_next", seed=1, vocab=V)[0]
     grammar = gu.schema_grammar()
     ref = gu.reference(model, gu.PROMPT, grammar, N)
     for k in (2, 4):
-        engine = Engine(model, gu.LegalGuesser(grammar, seed=k))
-        out, _ = generate(engine, grammar, k)
-        assert out == ref, f"k={k}"
-        assert 0 < engine.stats.accepted < engine.stats.drafted  # the guesser's own drafts (forced ones apart)
+        for drafts in (True, False):
+            engine = Engine(model, gu.LegalGuesser(grammar, seed=k))
+            out, _ = generate(engine, grammar, k, grammar_drafts=drafts)
+            assert out == ref, f"k={k} grammar drafts {drafts}"
+            s = engine.stats
+            if drafts:
+                assert 0 < s.forced_accepted < s.forced
+            else:
+                assert s.forced == 0 and 0 < s.accepted < s.drafted
 
 
 def _marker_position():

@@ -112,34 +112,33 @@ def test_an_end_token_is_legal_only_where_the_answer_is_complete_and_ends_the_ru
 
 
 @pytest.mark.parametrize("seed", range(4))
-def test_forced_tokens_are_a_prefix_of_the_forced_text_one_token_short(seed):
-    """Along a valid answer: the forced tokens decode to a prefix of llguidance's forced bytes, and where
-    the forced text runs into free text, the last forced token that could merge with it is held back."""
+def test_forced_tokens_write_the_whole_forced_text_and_nothing_past_it(seed):
+    """Along a valid answer: the forced tokens decode to exactly llguidance's forced bytes (never past them,
+    never short of them), they start with llguidance's fast-forward tokens, and where those hold the last
+    token back (it could merge with the free text after it) the forced run drafts it as a guess."""
     g = gu.schema_grammar()
     answer = a_valid_answer(g, seed)
     m = g.matcher()
     direct = llguidance.LLMatcher(g.tokenizer, g.source, log_level=0)
-    short = 0
+    guessed = 0
     for t in answer:
-        forced, text = m.forced(), direct.compute_ff_bytes()
-        got = g.tokenizer.decode_bytes(forced)
-        assert text.startswith(got), (got, text)
-        if forced and len(got) < len(text):
-            short += 1
+        forced, text, sure = m.forced(), direct.compute_ff_bytes(), direct.compute_ff_tokens()
+        assert g.tokenizer.decode_bytes(forced) == text
+        assert forced[: len(sure)] == sure
+        guessed += len(forced) > len(sure)
         m.consume([t])
         assert direct.consume_token(t)
-    assert short > 0, "no forced run ran into free text: the test proves nothing"
+    assert guessed > 0, "llguidance held back no token along the answer: the test proves nothing"
 
 
 def test_forced_runs_are_the_tokenizer_s_own_tokenization():
     """At the start of the schema the forced text is '{"kind": "'; the forced tokens are how the tokenizer
-    itself writes the part before the value (not a greedy longest match of the whole text)."""
+    itself writes it (not a greedy longest match)."""
     g = gu.schema_grammar()
     m = g.matcher()
     forced = m.forced()
-    text = gu.decode(forced)
-    assert text and '{"kind": "'.startswith(text)
-    assert forced == gu.encode(text)
+    assert gu.decode(forced) == '{"kind": "'
+    assert forced == gu.encode('{"kind": "')
 
 
 def test_the_device_mask_allows_exactly_the_bitmask_s_tokens():
