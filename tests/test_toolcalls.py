@@ -156,10 +156,11 @@ def _calls_in(text: str, fmt) -> list:
     return split(fmt, text[start:end], [])[2]
 
 
-QWEN3_CODER, GLM47 = mlx_lm_format("qwen3_coder"), mlx_lm_format("glm47")
+QWEN3_CODER, GLM47, LAGUNA = mlx_lm_format("qwen3_coder"), mlx_lm_format("glm47"), mlx_lm_format("laguna")
 KIMI_K2, MISTRAL, MINIMAX = mlx_lm_format("kimi_k2"), mlx_lm_format("mistral"), mlx_lm_format("minimax_m2")
 GEMMA4, PYTHONIC = mlx_lm_format("gemma4"), mlx_lm_format("pythonic")
-CONSTRAINED = [JSON, GENERIC, DEEPSEEK, KIMI_K2, MISTRAL, QWEN3_CODER, GLM47, MINIMAX, GEMMA4, PYTHONIC, FUNCTION_GEMMA]
+CONSTRAINED = [JSON, GENERIC, DEEPSEEK, KIMI_K2, MISTRAL, QWEN3_CODER, GLM47, LAGUNA, MINIMAX, GEMMA4, PYTHONIC,
+               FUNCTION_GEMMA]
 
 
 @pytest.mark.parametrize("fmt", CONSTRAINED + [LLAMA3], ids=lambda f: f.name)
@@ -215,6 +216,7 @@ def _ends_here(m) -> bool:
 BAD_ADD = {"json": '\n{"name": "add", "arguments": {"b": "x"', "generic": '\n{"name": "add", "arguments": {"b": "x"',
            "deepseek_v3": '<｜tool▁call▁begin｜>function<｜tool▁sep｜>add\n```json\n{"b": "x"',
            "qwen3_coder": "\n<function=add>\n<parameter=b>\nx", "glm47": "add<arg_key>b</arg_key><arg_value>x",
+           "laguna": "add<arg_key>b</arg_key><arg_value>x",
            "kimi_k2": '<|tool_call_begin|>functions.add:0<|tool_call_argument_begin|>{"b": "x"',
            "mistral": '[TOOL_CALLS]add[ARGS]{"b": "x"', "minimax_m2": '\n<invoke name="add">\n<parameter name="b">x',
            "gemma4": 'call:add{a:<|"|>x', "pythonic": '[add(b="x"',
@@ -288,9 +290,10 @@ def _xml_call(fmt, args: dict, glm_newlines: bool = False) -> str:
     return f"<tool_call>edit{body}{nl}</tool_call>"
 
 
-@pytest.mark.parametrize("fmt,newlines", [(QWEN3_CODER, False), (GLM47, False), (GLM47, True), (MINIMAX, False),
-                                          (GEMMA4, False), (PYTHONIC, False), (FUNCTION_GEMMA, False)],
-                         ids=["qwen3_coder", "glm47", "glm45", "minimax_m2", "gemma4", "pythonic", "function_gemma"])
+@pytest.mark.parametrize("fmt,newlines", [(QWEN3_CODER, False), (GLM47, False), (GLM47, True), (LAGUNA, False),
+                                          (MINIMAX, False), (GEMMA4, False), (PYTHONIC, False), (FUNCTION_GEMMA, False)],
+                         ids=["qwen3_coder", "glm47", "glm45", "laguna", "minimax_m2", "gemma4", "pythonic",
+                              "function_gemma"])
 def test_xml_calls_hold_each_argument_to_its_parameter_s_schema(fmt, newlines):
     """Strings as raw text (quotes, newlines, tags other than the closer kept), enums, booleans, a $ref'd object;
     the call parses back into the arguments; a wrong enum, a missing required or an unknown parameter, an
@@ -389,6 +392,23 @@ LFM2_TEMPLATE = ("{%- if tools -%}<|im_start|>system\nList of tools: <|tool_list
                  "{%- if m.role == 'tool' -%}<|tool_response_start|>{{ m.content }}<|tool_response_end|>"
                  "{%- else -%}{{ m.content }}{%- endif -%}<|im_end|>\n{%- endfor -%}"
                  "{%- if add_generation_prompt -%}<|im_start|>assistant\n{%- endif -%}")
+
+
+def test_the_parser_a_checkpoint_names_wins_over_the_template_s():
+    """mlx-lm's conversions name their parser in tokenizer_config.json (`tool_parser_type`: Laguna's "laguna",
+    whose template reads as GLM-4.7's): detect takes it, as mlx-lm does, and its calls are constrained in
+    GLM-4.7's form; a name mlx-lm has no parser for is ignored."""
+    template = "{% for m in messages %}{{ m.content }}{% endfor %}<tool_call>{{ name }}<arg_key>"
+    tok = _tokenizer(template)
+    assert detect(tok).name == "glm47"
+    tok._tokenizer.init_kwargs["tool_parser_type"] = "laguna"
+    fmt = detect(tok)
+    assert fmt.name == "laguna"
+    m = forced_call(fmt, [SMALL], gu.llg_tokenizer(), parallel=False).matcher()
+    m.consume(gu.encode(fmt.start + "add<arg_key>b</arg_key><arg_value>3</arg_value>"))
+    for bad in ("../json_tools", "no_such_parser", 3):
+        tok._tokenizer.init_kwargs["tool_parser_type"] = bad
+        assert detect(tok).name == "glm47"
 
 
 def test_an_lfm2_history_s_calls_are_written_into_its_content():

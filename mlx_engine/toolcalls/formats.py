@@ -22,6 +22,7 @@ keys would not match the cached prefix.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import json
 import re
 from dataclasses import dataclass
@@ -227,20 +228,34 @@ def _template(tokenizer) -> str:
     return t if isinstance(t, str) else ""
 
 
+def _declared_parser(tokenizer) -> str | None:
+    """The mlx-lm parser a checkpoint names in its tokenizer_config.json (`tool_parser_type`, as mlx-lm's
+    conversions write it: Laguna's "laguna"), when mlx-lm has it."""
+    inner = getattr(tokenizer, "_tokenizer", tokenizer)
+    name = (getattr(inner, "init_kwargs", None) or {}).get("tool_parser_type")
+    if not isinstance(name, str) or not re.fullmatch(r"\w+", name):
+        return None
+    try:
+        return name if importlib.util.find_spec(f"mlx_lm.tool_parsers.{name}") is not None else None
+    except ImportError:
+        return None
+
+
 def detect(tokenizer) -> ToolFormat:
-    """The format of this model: read from its chat template (and mlx-lm's own inference)."""
+    """The format of this model: the parser its checkpoint names, else read from its chat template (and
+    mlx-lm's own inference), as mlx-lm chooses the parser that reads its calls."""
     template = _template(tokenizer)
     if "tool▁calls▁begin" in template:
         return DEEPSEEK
     if PYTHON_TAG in template and "parameters" in template:
         return LLAMA3
-    name = None
+    name = _declared_parser(tokenizer)
     try:  # mlx-lm's inference from the template and vocabulary (a private helper: its absence is no error)
         from mlx_lm.tokenizer_utils import _infer_tool_parser
 
-        name = _infer_tool_parser(getattr(tokenizer, "_tokenizer", tokenizer))
+        name = name or _infer_tool_parser(getattr(tokenizer, "_tokenizer", tokenizer))
     except Exception:
-        name = None
+        pass
     if name == "function_gemma":  # (our reader: mlx-lm's reads scalars only)
         return FUNCTION_GEMMA
     if name and name != "json_tools":

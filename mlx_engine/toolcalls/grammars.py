@@ -39,7 +39,7 @@ def _names(tools: list[dict]) -> str:
 # format name -> its call rules (json_grammars.py, xml_grammars.py, gemma4_grammar.py)
 BUILDERS = {"json": json_block_calls, "generic": json_block_calls, "deepseek_v3": deepseek_calls,
             "kimi_k2": kimi_k2_calls, "mistral": mistral_calls, "qwen3_coder": qwen3_coder_calls,
-            "glm47": glm47_calls, "minimax_m2": minimax_m2_calls, "gemma4": gemma4_calls,
+            "glm47": glm47_calls, "laguna": glm47_calls, "minimax_m2": minimax_m2_calls, "gemma4": gemma4_calls,
             "pythonic": pythonic_calls, "function_gemma": function_gemma_calls}
 
 
