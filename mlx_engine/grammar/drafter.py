@@ -6,7 +6,8 @@ Each cycle the member is chosen on the host from the matcher's state, as a chain
 None: plain decoding). A forced draft is the forced text tokenized as the model's tokenizer writes it
 (Matcher.forced): llguidance's fast-forward tokens, which the target accepts nearly always, then the
 tokens they hold back at the run's end, which could merge with the free text after it (forced TEXT is not
-forced TOKENS), drafted as a guess. It is deterministic (probs None), so the usual acceptance rule keeps the output lossless.
+forced TOKENS), drafted as a guess. It is deterministic (probs None), so the usual acceptance rule keeps the
+output lossless.
 
 The wrapped drafter did not propose a grammar cycle: it is told the cycle's tokens one at a time, as
 verdicts of k = 0 with one hidden row each, exactly as in a plain stretch, which every drafter follows.

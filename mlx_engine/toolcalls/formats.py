@@ -13,7 +13,8 @@ into calls, and whether the model's own chat template renders tools and calls.
 - `function_gemma`: `<start_function_call>call:NAME{key:<escape>text<escape>,key:3}<end_function_call>` per call
   (FunctionGemma), read by `parse_function_gemma`.
 - any of mlx-lm's own parsers (mlx_lm/tool_parsers: qwen3_coder, glm47, kimi_k2, mistral, pythonic,
-  minimax_m2, gemma4, ...), by the name mlx-lm infers from the template: used as they are.
+  minimax_m2, gemma4, ...), by the name the checkpoint gives (tokenizer_config.json's `tool_parser_type`),
+  else the one mlx-lm infers from the template: used as they are.
 
 Arguments are kept as the text the model wrote (key order included): a history sent back with reordered
 keys would not match the cached prefix.

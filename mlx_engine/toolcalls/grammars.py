@@ -10,10 +10,10 @@
   opener), so the lexer never has to decide between "more free text" and "the opener starts here".
 
 The formats: with JSON arguments (json_grammars.py) json, generic, deepseek_v3 (V3 and V3.1), kimi_k2,
-mistral and Llama 3's bare JSON; the XML-like qwen3_coder, glm47 and minimax_m2 (xml_grammars.py); Gemma 4's
-and FunctionGemma's (gemma4_grammar.py); LFM2's pythonic calls (pythonic_grammar.py). mlx-lm's other parsers
-(kimi_k3, longcat, minicpm5, muse_spark, laguna) have none: their calls are parsed, not constrained (README says
-which).
+mistral and Llama 3's bare JSON; the XML-like qwen3_coder, glm47 (laguna's too) and minimax_m2
+(xml_grammars.py); Gemma 4's and FunctionGemma's (gemma4_grammar.py); LFM2's pythonic calls
+(pythonic_grammar.py). mlx-lm's other parsers (kimi_k3, longcat, minicpm5, muse_spark) have none: their calls
+are parsed, not constrained (README says which).
 Llama 3's calls have no opener (the answer is the call's JSON): under auto its text may not begin with `{`
 (nor `<` where `<|python_tag|>` is text), which is where its parser would read a call.
 """
@@ -36,7 +36,7 @@ def _names(tools: list[dict]) -> str:
     return ", ".join(repr(t.get("function", t).get("name")) for t in tools)
 
 
-# format name -> its call rules (json_grammars.py, xml_grammars.py, gemma4_grammar.py)
+# format name -> its call rules (json_grammars.py, xml_grammars.py, gemma4_grammar.py, pythonic_grammar.py)
 BUILDERS = {"json": json_block_calls, "generic": json_block_calls, "deepseek_v3": deepseek_calls,
             "kimi_k2": kimi_k2_calls, "mistral": mistral_calls, "qwen3_coder": qwen3_coder_calls,
             "glm47": glm47_calls, "laguna": glm47_calls, "minimax_m2": minimax_m2_calls, "gemma4": gemma4_calls,
