@@ -24,11 +24,11 @@ PROMPT = np.random.default_rng(11).integers(0, tiny_models.VOCAB, 40).tolist()
 @pytest.fixture(autouse=True)
 def prompts_play_deep_ones(monkeypatch):
     """The Starved sizer below plays a prompt deep enough that one token does not fit a step, with a prompt
-    of 40 tokens: the batch engine's rule for short prompts (fed whole, core/batch_engine.py SMALL_PROMPT)
+    of 40 tokens: the batch engine's rule for short prompts (fed whole, core/batch_turn.py SMALL_PROMPT)
     is off here, as it is for any prompt longer than it."""
-    from mlx_engine.core import batch_engine
+    from mlx_engine.core import batch_turn
 
-    monkeypatch.setattr(batch_engine, "SMALL_PROMPT", 0)
+    monkeypatch.setattr(batch_turn, "SMALL_PROMPT", 0)
 
 
 @pytest.fixture(scope="module")

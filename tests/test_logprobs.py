@@ -136,7 +136,7 @@ def test_top_n_is_capped_by_the_vocabulary_and_validated():
 
 def test_off_costs_nothing(monkeypatch):
     """logprobs=None: no logprob row is built anywhere and every Step / Output says None."""
-    import mlx_engine.core.batch_engine as be
+    import mlx_engine.core.batch_accept as be
     import mlx_engine.core.engine as eng
     import mlx_engine.core.tree_verify as tv
 

@@ -32,37 +32,34 @@ import time
 
 import mlx.core as mx
 
-from .. import host
 from ..drafters.base import hidden_request
 from ..drafters.mtp.batched import BatchedMTP, batchable_mtp
-from ..sampling import SamplingConfig, check_logprobs, host_logprobs, logprob_rows, row_counts, token_counts
+from ..sampling import SamplingConfig, check_logprobs
 from ..target_model import prefix_cache as prefix_ops
-from ..target_model.batch_cache import BatchKVCache, batchable
+from ..target_model import batch_kinds
+from ..target_model.batch_cache import BatchKVCache
 from ..target_model.cache import check_kv_quantization
 from ..target_model.fixed_rows import make_invariant_batches
 from ..target_model import layer_span, sequence_attention
-from ..target_model.batch_sequences import idle_rows, real_widths
 from ..target_model.model import Target
 from .confidence import CONFIDENT
 from . import invariance_default
 from . import batch_grammar
 from . import drafter_prefix
+from .batch_accept import Acceptance
+from .batch_pass import VerifyPass
+from .batch_plan import StepPlan
 from .batch_policy import BatchPolicy, FixedBatchPolicy
 from .batch_prefill import PrefillQueue
 from .batch_rows import BatchRows
 from .batch_sequence import Output, RunningSequence, padded
+from .batch_settle import Settle
+from .batch_turn import REMEASURE, PromptTurn
 from .context import check_request
 from .memory import MemoryBudget
-from .verify import choose_row
 
 
-REMEASURE = 16  # steps between two that decode alone while prompts are being fed
-SMALL_PROMPT = 64  # a prompt of at most this many tokens is fed whole, in a remeasuring step too (a short
-# request's first token waits neither for the measurement that sizes long prompts' chunks nor a second chunk;
-# the tail of a long prompt is not one: deep in it a token can cost more than a decoding step)
-
-
-class BatchEngine(BatchRows):
+class BatchEngine(BatchRows, PromptTurn, VerifyPass, Acceptance, Settle):
     """Call from one thread (the one that owns MLX): add / cancel / step."""
 
     def __init__(self, model, drafter=None, num_draft: int | str = "auto", max_batch: int = 8, max_draft: int = 8,
@@ -111,12 +108,18 @@ class BatchEngine(BatchRows):
         self.context_length = context_length
         self.seqs: list[RunningSequence] = []
         self.cache: list[BatchKVCache] = []
-        self.supported = why_not or batchable(self.target.make_cache())  # None, or why this model cannot batch
+        single = self.target.make_cache()
+        self.supported = why_not or batch_kinds.why_not(single, model)  # None, or why this model cannot batch
+        if self.supported is None and self.batch_invariant and batch_kinds.windowed(single):
+            self.supported = "batch-invariant passes do not cover sliding-window layers yet (--batch-invariant off)"
         if self.supported is None and getattr(drafter, "reads_target_cache", False):
             self.supported = f"the {drafter.name} drafter reads the single-sequence target cache"
+        # every layer's row a run of per-token entries (else recurrent states: the tree keeps checkpoints)
+        self.positional = all(batch_kinds.positional(c) for c in single)
         tree = None
         if prefix_cache_bytes > 0 and self.supported is None:
-            tree = prefix_ops.PrefixCache(prefix_cache_bytes, with_hidden=self.want_hidden is not None)
+            tree = prefix_ops.PrefixCache(prefix_cache_bytes, with_hidden=self.want_hidden is not None,
+                                          checkpoints=not self.positional)
         self.prefix_cache = tree
         self.drafter_kept = drafter_prefix.why_not(drafter)  # None: the tree keeps the drafter's state too
         if self.batch_invariant and kv_bits is not None:  # prompts in covered passes, as in Engine
@@ -214,20 +217,58 @@ class BatchEngine(BatchRows):
     # -- one step ---------------------------------------------------------------------------------------
     def step(self) -> list[Output]:
         """Advance every running sequence by one verify pass (or one plain token), and every row still
-        feeding its prompt by one chunk, in ONE forward pass. Returns the new tokens."""
+        feeding its prompt by one chunk, in ONE forward pass. Returns the new tokens. The stages: rows
+        leave and join, the plan (who decodes, drafts how many: _plan), drafting, the prompt turn
+        (core/batch_turn.py), the pass (core/batch_pass.py), acceptance and the one host read
+        (core/batch_accept.py), rollback, commit and emitting (core/batch_settle.py)."""
         outputs = []
+        self._leave_cancelled(outputs)
+        self._start_next(outputs)
+        self._grow_ahead()
+        feeding = [self.prefills.feeding(s) for s in self.seqs]
+        self._feed_drafter(sum(f is not None for f in feeding))
+        if not self.seqs:
+            return outputs
+        plan = self._plan(feeding)
+        t0 = time.perf_counter()
+        self._draft(plan)
+        self._prompt_turn(plan)
+        if not plan.decoding and not any(plan.fed):  # every row waits (its drafter being fed, or a row just made)
+            self.steps += 1
+            return outputs
+        plan.width = max([plan.widest + 1 if plan.decoding else 1] + plan.fed)  # the pass's tokens per row
+        plan.idle = [plan.idle[i] or (f is not None and plan.fed[i] == 0)  # (a remeasuring step)
+                     for i, f in enumerate(feeding)]
+        logits, hidden = self._verify_pass(plan)
+        verdicts = self._accept(plan, logits, hidden)
+        seconds = time.perf_counter() - t0
+        self._observe_turn(plan, seconds)
+        reshaped, self._reshaped = self._reshaped, False
+        finished, accepted = self._settle(plan, verdicts, hidden, outputs)
+        # a step right after rows joined or left, or that fed prompt chunks, costs more than (b, k) alone
+        # positions cut before the pass (a forbidden token, an unsure one) count as drafts not accepted, as in
+        # core/engine.py: the policy's k is a most, and what a step at that most brings is what it learns
+        decoding = plan.decoding
+        self.policy.observe(len(decoding), plan.k, accepted, seconds,
+                            [0 if i in plan.forced else plan.asked[i] for i in decoding],
+                            [self.seqs[i].evidence for i in decoding], timed=not reshaped and len(decoding) == len(self.seqs))
+        if decoding:
+            self.k_steps[plan.k] = self.k_steps.get(plan.k, 0) + 1
+        self._drop(finished)
+        self.steps += 1
+        return outputs
+
+    def _leave_cancelled(self, outputs: list[Output]) -> None:
         cancelled = [i for i, s in enumerate(self.seqs) if s.cancelled]
         for i in cancelled:
             s = self.seqs[i]
             outputs.append(Output(s.id, [], "cancelled", s.stats(self.num_draft)))
         self._drop(cancelled)
-        self._start_next(outputs)
-        self._grow_ahead()
+
+    def _plan(self, feeding: list) -> StepPlan:
+        """Which rows decode, and how many drafts each verifies (the policy's k, each row's caps, a grammar's
+        forced run)."""
         b = len(self.seqs)
-        feeding = [self.prefills.feeding(s) for s in self.seqs]
-        self._feed_drafter(sum(f is not None for f in feeding))
-        if not self.seqs:
-            return outputs
         # a row whose drafter is still being fed its prompt waits (its pass rows are trimmed whole): a row's
         # tokens never depend on when the steps around it let its drafter catch up
         idle = [feeding[i] is None and s.id in self.prefills.joining for i, s in enumerate(self.seqs)]
@@ -240,211 +281,22 @@ class BatchEngine(BatchRows):
         ks = [0] * b
         for i, d in zip(decoding, drafting):
             ks[i] = min(d, self.seqs[i].max_tokens - self.seqs[i].generated - 1)
-        constrained = any(self.seqs[i].matcher is not None for i in decoding)
+        plan = StepPlan(feeding, idle, decoding, ks, list(ks))
+        plan.constrained = any(self.seqs[i].matcher is not None for i in decoding)
         # a constrained row whose grammar forces text drafts it (its model drafter drafts nothing for it)
-        forced = batch_grammar.forced_runs(self.seqs, decoding, ks, self.max_k) if constrained else {}
-        k = max(ks)  # what the model drafters draft this step
-        t0 = time.perf_counter()
-        drafts = self._drafts(k, ks, k + 1, decoding) if k > 0 else {}
-        asked = list(ks)  # each row's draft length before a grammar's cuts (what the policy learns from)
-        # the forced runs put in, other constrained rows' drafts cut at their first illegal token
-        on_host = batch_grammar.cut_drafts(self.seqs, decoding, ks, drafts, forced, self.confident) \
-            if constrained else {}
-        widest = max(ks, default=0)  # the longest draft the pass verifies
-        chunk, depth = 0, 0
-        # while prompts are fed, every REMEASURE-th step decodes alone: the chunks' budget is a multiple of a
-        # decoding step's time, which changes with the batch (and is unknown when all steps so far fed chunks)
-        remeasure = decoding and self.steps - self._decoded_alone >= REMEASURE
-        # one prompt a step, the one with the least left, its chunk sized at its own depth: a short prompt
-        # arriving while a long one is fed goes first, alone (beside the long one's chunk it waited a whole
-        # budget; sized for the deepest, it went a token a step). A row just made took this step's time
-        # with its copies: while none decodes, no prompt is fed beside them (the newcomer's turn is next).
-        turn = [i for i, f in enumerate(feeding) if f is not None and not f.fresh]
-        if turn:
-            turn = [min(turn, key=lambda i: (feeding[i].left(), i))]
-        if not decoding and any(f is not None and f.fresh for f in feeding):
-            turn = []
-        if decoding and turn and self.prefills.paused_beside(feeding[turn[0]]):
-            turn = []
-        small = bool(turn) and feeding[turn[0]].total <= SMALL_PROMPT  # shallow: cheap whatever the sizer says
-        if turn and (not remeasure or small):
-            cap = self.max_k + 1 if decoding and self.max_k < 1 << 30 else None  # invariant passes stay covered
-            depth = max(feeding[i].done for i in turn)
-            chunk = self.prefills.chunk_size(self.step_times, len(decoding), cap, depth)
-            if small:  # a short prompt goes in whole (not a first chunk of 32, then the rest)
-                chunk = min(max(chunk, feeding[turn[0]].left()), cap or 1 << 30, self.prefills.prefill_step)
-            if decoding:  # fed only as far as the room grown ahead (_grow_ahead): no growth inside the pass
-                chunk = max(0, min(chunk, self.fed_room(widest + 1)))
-        fed = [min(chunk, f.total - f.done) if i in turn else 0 for i, f in enumerate(feeding)]
-        spans = {}  # rows whose chunk crosses only some layers in this pass
-        for i, f in enumerate(feeding):
-            if f is not None:
-                f.fresh = False
-                if fed[i] and self.split_layers and len(self.cache) == self.layer_count:
-                    span = self.prefills.span(f, i, fed[i], bool(decoding), self.layer_count)
-                    if span is not None:
-                        spans[i], fed[i] = span, span.tokens
-        if not decoding and not any(fed):  # every row waits (its drafter being fed, or a row just made): no pass
-            self.steps += 1
-            return outputs
-        width = max([widest + 1 if decoding else 1] + fed)  # the pass's tokens per row
-        idle = [idle[i] or (feeding[i] is not None and fed[i] == 0) for i in range(b)]  # (a remeasuring step)
-        drafts = {i: padded(batch_grammar.first(d, ks[i]) if constrained else d, width - 1, self.seqs[i].last)
-                  for i, d in drafts.items()}
-        rows = []
-        for i, s in enumerate(self.seqs):
-            if idle[i]:
-                rows.append(mx.full((width,), s.prompt[0], dtype=mx.int32))
-            elif feeding[i] is not None:
-                toks = feeding[i].chunk(fed[i])
-                rows.append(mx.array(toks + [toks[-1]] * (width - len(toks)), dtype=mx.int32))
-            elif i in drafts:
-                rows.append(mx.concatenate([mx.array([s.last], dtype=mx.int32), drafts[i].tokens]))
-            else:
-                rows.append(mx.full((width,), s.last, dtype=mx.int32))
-        with idle_rows([i for i in range(b) if idle[i]]), \
-                real_widths({i: ks[i] + 1 for i in decoding if ks[i] + 1 < width}), \
-                layer_span.crossing(list(spans.values())):
-            logits, hidden = self.target.forward_batch(mx.stack(rows), self.cache, self.want_hidden)
-        masks = {}
-        if constrained or any(f is not None and self.seqs[i].matcher is not None for i, f in enumerate(feeding)):
-            host.start(logits)  # the device runs the pass while the host builds the constrained rows' masks
-            masks = batch_grammar.masks(self.seqs, on_host)
-        outs, firsts = [], []
-        vocab = logits.shape[-1]
-        lp_parts, lp_at = [], {}  # the logprob rows of rows that ask for them; row i's: (offset, rows, width)
+        plan.forced = batch_grammar.forced_runs(self.seqs, decoding, ks, self.max_k) if plan.constrained else {}
+        plan.k = max(ks)  # what the model drafters draft this step
+        plan.asked = list(ks)  # each row's draft length before a grammar's cuts (what the policy learns from)
+        return plan
 
-        def with_logprobs(i: int, rows: mx.array, out: mx.array) -> None:
-            """Row i's tokens out[1:] (one per logits row) with their logprob rows, when it asks for them."""
-            if self.seqs[i].logprobs is None:
-                return
-            part = logprob_rows(rows, out[1 : rows.shape[0] + 1], self.seqs[i].logprobs)
-            lp_at[i] = (sum(p.size for p in lp_parts), part.shape[0], part.shape[1])
-            lp_parts.append(part.reshape(-1))
-
-        for i, s in enumerate(self.seqs):  # the acceptance rule over the row's own ki drafts; a prompt's first token
-            f = feeding[i]
-            if idle[i]:
-                continue
-            if f is not None:
-                if f.done + fed[i] == f.total and (i not in spans or spans[i].end == self.layer_count):
-                    context = mx.array(s.prompt[-s.sampling.repetition_context:]) if s.sampling.penalized else None
-                    outs.append(choose_row(logits[i, fed[i] - 1 : fed[i]], context, mx.zeros((0,), mx.int32), None,
-                                           s.sampling, s.next_key(), s.matcher.mask() if s.matcher else None))
-                    with_logprobs(i, logits[i, fed[i] - 1 : fed[i]], outs[-1])
-                    firsts.append(i)
-                continue
-            ki = ks[i]
-            d_tokens = drafts[i].tokens[:ki] if ki > 0 else mx.zeros((0,), mx.int32)
-            d_probs = drafts[i].probs[:ki] if ki > 0 and drafts[i].probs is not None else None
-            context = None
-            if s.sampling.penalized:
-                context = mx.concatenate([mx.array(s.history[-s.sampling.repetition_context :]), d_tokens])
-            counts = row_counts(token_counts(s.counts, vocab), d_tokens) if s.sampling.counted else None
-            outs.append(choose_row(logits[i, : ki + 1], context, d_tokens, d_probs, s.sampling, s.next_key(),
-                                   masks.get(i), drafts[i].cut_probs if i in drafts else None, counts))
-            with_logprobs(i, logits[i, : ki + 1], outs[-1])
-        carried = [sp.captured for sp in spans.values() if sp.end < self.layer_count]
-        carried += [h for sp in spans.values() for h in (sp.kept or {}).values()]
-        if carried:
-            host.start(*carried)  # (evaluated with the read below)
-        flat = []
-        if lp_parts:  # the step's one host synchronisation, with the logprob rows
-            values, flat = host.read_all(mx.concatenate(outs), mx.concatenate(lp_parts))
-        elif outs:
-            values = host.read(mx.concatenate(outs))  # the step's one host synchronisation
-        else:  # a pass that only fed prompt chunks: wait for it, or nothing ever runs it until a later read
-            # (the chunks' graph would pile up, the sizer would time empty steps, a later step would pay all)
-            values = []
-            host.wait([a for bc in self.cache for a in bc.state] + carried + ([hidden] if hidden is not None else []))
-
-        def logprobs_of(i: int, tokens: list[int]):
-            """Row i's emitted tokens with their logprobs (None: it did not ask for them)."""
-            if i not in lp_at:
-                return None
-            at, n, w = lp_at[i]
-            return host_logprobs(tokens, [flat[at + r * w : at + (r + 1) * w] for r in range(min(n, len(tokens)))])
-        seconds = time.perf_counter() - t0
-        if not chunk and decoding:  # a step that only decoded: the reference of the chunks' budget
-            self.step_times = self.step_times[-63:] + [seconds]
-            self._decoded_alone = self.steps
-        elif decoding:  # a chunk that crossed m of the L layers counts as m / L of its tokens
-            self.prefills.observe(max(n * (spans[i].end - spans[i].start) / self.layer_count if i in spans else n
-                                      for i, n in enumerate(fed)), seconds, depth)
-        elif not any(0 < sp.start and sp.end == self.layer_count and not firsts for sp in spans.values()):
-            # fed alone: a share of m layers times as a whole pass's L / m (the chunk keeps its token count).
-            # Not a chunk's last share when its output is not read (a first token's logits): that layer's
-            # attention and MLP are never evaluated (only its keys and values are), and timed as a whole
-            # pass it made the next chunk ~2x too large (its first share 0.6-1.4 s at 3k, aiming at 0.25)
-            share = max(((sp.end - sp.start) / self.layer_count for sp in spans.values()), default=1.0)
-            self.prefills.observe(max(fed), seconds / share, depth)
-            for i, sp in spans.items():
-                self.prefills.reshare(feeding[i], sp, seconds)
-        reshaped, self._reshaped = self._reshaped, False
-        accepted, finished, start = [], [], 0
-        for i, s in enumerate(self.seqs):
-            f = feeding[i]
-            h = hidden[i] if hidden is not None else None
-            if idle[i]:
-                for bc in self.cache:
-                    bc.trim_row(i, width)
-                continue
-            if f is not None:
-                span = spans.get(i)
-                for layer, bc in enumerate(self.cache):  # the row's padding (and outside its span: all it wrote)
-                    bc.trim_row(i, width - fed[i] if span is None or span.start <= layer < span.end else width)
-                if not self.prefills.crossed(f, span, self.layer_count):
-                    continue
-                if h is not None:
-                    f.hidden.append(self.prefills.crossed_hidden(f, h[: fed[i]]))
-                f.done += fed[i]
-                if i in firsts:
-                    first = values[start + 1]
-                    start += 2
-                    if self._first_token(f, first, outputs, logprobs_of(i, [first])):
-                        finished.append(i)
-                continue
-            ki = ks[i]
-            row = values[start : start + ki + 2]  # [n, t_0..t_ki]
-            start += ki + 2
-            n = row[0]
-            tokens = row[1 : n + 2]
-            for bc in self.cache:
-                bc.trim_row(i, width - 1 - n)  # the rejected drafts and the row's padding
-            if s.matcher is not None:  # the rejected drafts leave the matcher, the target's token joins it
-                s.matcher.settle(ki, n, tokens[n])
-            self._commit(s, k, ki, n, tokens, h, forced=i in forced)
-            if h is not None:
-                s.hidden_rows.append(h[: n + 1])
-            real = min(getattr(drafts[i], "n_real", k), ki) if ki > 0 else 0
-            emitted, reason = s.emit(tokens)
-            if ki > 0:
-                s.verifies += 1
-                s.verified_tokens += len(emitted)
-            if i in forced:  # the grammar's drafts: counted apart, and not the drafter's evidence
-                s.forced += real
-                s.forced_accepted += min(n, real, len(emitted))
-                real = 0
-            else:
-                s.drafted += real
-                s.accepted += min(n, real, len(emitted))
-            s.last = tokens[-1]
-            s.decode_time = time.perf_counter() - s.t_decode
-            accepted.append(min(n, real))
-            outputs.append(Output(s.id, emitted, reason, s.stats(self.num_draft) if reason else None,
-                                  logprobs_of(i, emitted)))
-            if reason:
-                finished.append(i)
-        # a step right after rows joined or left, or that fed prompt chunks, costs more than (b, k) alone
-        # positions cut before the pass (a forbidden token, an unsure one) count as drafts not accepted, as in
-        # core/engine.py: the policy's k is a most, and what a step at that most brings is what it learns
-        self.policy.observe(len(decoding), k, accepted, seconds, [0 if i in forced else asked[i] for i in decoding],
-                            [self.seqs[i].evidence for i in decoding], timed=not reshaped and len(decoding) == b)
-        if decoding:
-            self.k_steps[k] = self.k_steps.get(k, 0) + 1
-        self._drop(finished)
-        self.steps += 1
-        return outputs
+    def _draft(self, plan: StepPlan) -> None:
+        """Each decoding row's drafts (lazy); the grammar's forced runs put in, other constrained rows' drafts
+        cut at their first illegal token."""
+        k = plan.k
+        plan.drafts = self._drafts(k, plan.ks, k + 1, plan.decoding) if k > 0 else {}
+        if plan.constrained:
+            plan.on_host = batch_grammar.cut_drafts(self.seqs, plan.decoding, plan.ks, plan.drafts, plan.forced,
+                                                    self.confident)
 
     def _drafts(self, k: int, ks: list[int], width: int, decoding: list[int]) -> dict:
         """Each decoding row's drafts, padded to the pass's width - 1 (rows that draw no key draft nothing)."""

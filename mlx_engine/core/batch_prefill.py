@@ -37,6 +37,7 @@ from mlx.utils import tree_map
 
 from ..target_model.layer_span import Span
 from .batch_sequence import RunningSequence
+from .batch_turn import SMALL_PROMPT
 from .chunk_sizer import ChunkSizer
 
 STEP_BUDGET = 2.2  # a step that feeds prompt chunks may take this many times the median decoding step
@@ -46,6 +47,7 @@ IDLE_STEP = 0.12  # seconds a step feeding a prompt alone aims at (its chunk cro
 # such a chunk waits while rows decode (beside them its whole width would run every layer's matmuls each
 # step), at most this many steps, then crosses the rest of the layers in one step
 PAUSE_STEPS = 32
+CHECKPOINT_EVERY = 2048  # a recurrent model's prompt leaves a checkpoint in the prefix tree every this many tokens
 
 
 @dataclass
@@ -65,6 +67,7 @@ class Prefilling:
     carried: object | None = None  # that chunk's hidden state at the input of `layer` [n, H]
     inflight: int = 0  # that chunk's tokens
     kept: dict = field(default_factory=dict)  # that chunk's outputs of the inner layers its drafter reads
+    marks: set = field(default_factory=set)  # a recurrent model: prompt positions whose states go to the tree
     drafter_sizer: ChunkSizer = field(default_factory=lambda: ChunkSizer(first=64, largest=2048))
     started: float = field(default_factory=time.perf_counter)
 
@@ -95,9 +98,12 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 
 class PrefillQueue:
-    def __init__(self, target, want_hidden, tree, prefill_step: int = 512, idle_budget: float = 1.0):
+    def __init__(self, target, want_hidden, tree, prefill_step: int = 512, idle_budget: float = 1.0,
+                 checkpoint_every: int = CHECKPOINT_EVERY):
         self.target, self.want_hidden, self.tree = target, want_hidden, tree
         self.prefill_step, self.idle_budget = prefill_step, idle_budget
+        self.checkpoint_every = checkpoint_every
+        self.checkpoints = 0  # checkpoints stored at marks (a recurrent model's prompts)
         self.queued: list[Prefilling] = []  # stage 0
         self.joining: dict[object, Prefilling] = {}  # stages 1 and 2, by sequence id (their rows are in the batch)
         self.sizer = ChunkSizer(first=8, largest=prefill_step)
@@ -129,20 +135,25 @@ class PrefillQueue:
         return p if p is not None and not p.sampled else None
 
     # -- stage 0 -> 1 -------------------------------------------------------------------------------------
-    def next_start(self, rows: list[tuple[list[int], int, bool]]) -> tuple[Prefilling, int, int | None] | None:
+    def next_start(self, rows: list[tuple], copyable: bool = True) -> tuple[Prefilling, int, int | None] | None:
         """The queued sequence to start now, shortest first: (p, reusable positions, the batch row to copy
         them from or None for the prefix tree), or None. rows: each batch row's (tokens, positions it holds
-        of them, whether it is still feeding its prompt). A prompt that shares at least WAIT_FOR_TWIN
-        tokens with a row still feeding them waits until they are fed, then starts from them."""
+        of them, whether it is still feeding its prompt, its Prefilling while it does). A prompt that shares
+        at least WAIT_FOR_TWIN tokens with a row still feeding them waits until they are fed, then starts
+        from them: from that row (copyable: every layer's entries are per token), or else from the prefix
+        tree, where the row leaves a checkpoint where the two prompts part (a mark)."""
         for p in sorted(self.queued, key=lambda p: p.total):
             body = p.seq.prompt[:-1]
             best, source = (self.tree.match(body) if self.tree is not None else 0), None
             wait = False
-            for r, (tokens, held, feeding) in enumerate(rows):
+            for r, (tokens, held, feeding, record) in enumerate(rows):
                 shared = common_prefix(body, tokens)
-                if min(shared, held) > best:
+                if copyable and min(shared, held) > best:
                     best, source = min(shared, held), r
-                wait = wait or (feeding and held < shared and shared >= WAIT_FOR_TWIN)
+                twin = feeding and held < shared and shared >= WAIT_FOR_TWIN
+                if twin and not copyable and record is not None and self.tree is not None:
+                    record.marks.add(shared)
+                wait = wait or twin
             if not wait:
                 return p, best, source
         return None
@@ -153,6 +164,25 @@ class PrefillQueue:
         self.joining[p.seq.id] = p
         p.done, p.reused = held, reused
         p.seq.reused = reused
+
+    def mark(self, p: Prefilling, held: int) -> None:
+        """A recurrent model's prompt gets its checkpoint marks past the `held` positions its row starts with:
+        where the prefix tree's tokens part from it (its hit ended at an earlier checkpoint, or none: the next
+        request sharing as much starts there), every checkpoint_every tokens, and one token before its end (a
+        resent prompt starts there; the next turn of the conversation, which extends it, too). Not the end
+        itself: a hit must leave a prompt's last token to feed. A short prompt (at most SMALL_PROMPT tokens)
+        gets no end mark: it would cost its first token a step, for a re-feed of a few tokens."""
+        if self.tree is None or not self.tree.checkpoints:
+            return
+        parts = self.tree.depth(p.seq.prompt[:-1])
+        marks = {parts} | set(range(self.checkpoint_every, p.total, self.checkpoint_every))
+        if p.total > SMALL_PROMPT:
+            marks.add(p.total - 1)
+        p.marks = {m for m in marks if held < m < p.total}
+
+    def next_mark(self, p: Prefilling, done: int) -> int | None:
+        """The first checkpoint mark of p past `done` (None: none left)."""
+        return min((m for m in p.marks if m > done), default=None)
 
     def tree_hit(self, p: Prefilling):
         """The prefix tree's entries for p's prompt (per layer (keys, values) of [1, H, n, D]) and hidden rows."""
@@ -266,8 +296,3 @@ class PrefillQueue:
 def row_prefix(states: list, n: int) -> list:
     """The first n positions of per-layer (keys, values) states [1, H, L, D] (quantized: parts)."""
     return [tree_map(lambda a: a[:, :, :n], s) for s in states]
-
-
-def empty_like(states):
-    """(keys, values) of zero positions shaped like a batch cache's: [1, H, 0, D] (quantized: parts)."""
-    return tree_map(lambda a: mx.zeros((1, a.shape[1], 0, a.shape[3]), a.dtype), states)

@@ -15,8 +15,8 @@ from mlx.utils import tree_map
 
 from .. import host
 from ..drafters.base import Verdict
-from ..target_model.batch_cache import BatchKVCache, QuantizedBatchKVCache
-from .batch_prefill import Prefilling, empty_like, row_prefix
+from ..target_model import batch_kinds
+from .batch_prefill import Prefilling, row_prefix
 from .batch_sequence import Output, RunningSequence
 from . import drafter_prefix
 
@@ -40,14 +40,16 @@ class BatchRows:
         for p in [p for p in self.prefills.queued if p.seq.cancelled]:
             self.prefills.leave(p)
             outputs.append(Output(p.seq.id, [], "cancelled", p.seq.stats(self.num_draft)))
-        found = self.prefills.next_start([self._held(s) for s in self.seqs])
+        found = self.prefills.next_start([(*self._held(s), self.prefills.feeding(s)) for s in self.seqs],
+                                         copyable=self.positional)
         if found is None:
             return
         p, n, source = found
+        self.prefills.mark(p, n)
         states, hidden = None, []
         if n and source is None:
             hit = self.prefills.tree_hit(p)
-            n, states = hit.n, hit.layers
+            n, states = hit.n, self._merged(hit.layers, hit.checkpoint)
             hidden = [hit.hidden] if hit.hidden is not None else []
             if hit.drafter is not None:  # the drafter's entries too: its stage skips them (drafter_prefix.py)
                 p.drafter_prefix = (hit.drafter, hit.drafter_n)
@@ -58,28 +60,44 @@ class BatchRows:
             hidden = [mx.concatenate(rows)[:n]] if self.want_hidden and rows else []
         reused, fresh = n, True
         if n:
-            fresh = self._append_row(states, n + self.prefills.prefill_step) or n > self.prefills.prefill_step
+            fresh = self._append_row(states, n, n + self.prefills.prefill_step) or n > self.prefills.prefill_step
         elif self.cache:
-            fresh = self._append_row([empty_like(bc.row(0)) for bc in self.cache], self.prefills.prefill_step)
+            fresh = self._append_row([batch_kinds.empty_row(bc) for bc in self.cache], 0, self.prefills.prefill_step)
         else:  # no rows to take shapes from: feed the first chunk alone (nobody is decoding to wait for it)
             n = self._first_chunk_alone(p, hidden)
         p.hidden = hidden
         p.fresh = fresh  # its join took this step's time (other rows copied, or a long prefix written): no chunk yet
         self.prefills.start(p, n, reused)
         self.seqs.append(p.seq)
+        if n > reused:  # its first chunk fed alone: at a checkpoint mark, its states go to the tree
+            self._fed(p)
 
-    def _append_row(self, states: list, capacity: int = 0) -> bool:
-        """A new row from per-layer (keys, values) [1, H, n, D]: copied into the batch cache, which then has
-        room for `capacity` positions per row (what it holds and a chunk: the rest of a long prompt's room
-        is grown a few layers per step, `_grow_ahead`). True when the other rows were copied with it (no
-        spare row to join into)."""
+    def _merged(self, positional: list, checkpoint: list | None) -> list:
+        """Per-layer states from the positional layers' and the recurrent layers' (a checkpoint), in layer order."""
+        if self.positional:
+            return positional
+        kinds = iter(positional), iter(checkpoint)
+        return [next(kinds[0]) if batch_kinds.positional(c) else next(kinds[1]) for c in self.target.make_cache()]
+
+    def _split_states(self, states: list) -> tuple[list, list | None]:
+        """Per-layer states -> (the positional layers', the recurrent layers' or None)."""
+        if self.positional:
+            return states, None
+        single = self.target.make_cache()
+        return ([st for c, st in zip(single, states) if batch_kinds.positional(c)],
+                [st for c, st in zip(single, states) if not batch_kinds.positional(c)])
+
+    def _append_row(self, states: list, n: int, capacity: int = 0) -> bool:
+        """A new row from per-layer states of n positions (KV: (keys, values) [1, H, n, D]; recurrent: its
+        arrays [1, ...]): copied into the batch cache, which then has room for `capacity` positions per row
+        (what it holds and a chunk: the rest of a long prompt's room is grown a few layers per step,
+        `_grow_ahead`). True when the other rows were copied with it (no spare row to join into)."""
         if not self.cache:
-            self.cache = [QuantizedBatchKVCache(c.group_size, c.bits) if hasattr(c, "bits") else BatchKVCache()
-                          for c in self.target.make_cache()]
+            self.cache = [batch_kinds.batch_layer(c) for c in self.target.make_cache()]
         spare, copied = self._spare_rows(), False
-        for bc, (keys, values) in zip(self.cache, states):
+        for bc, state in zip(self.cache, states):
             bc.spare = spare
-            copied = bc.add_row(keys, values, capacity) or copied
+            copied = batch_kinds.join(bc, state, capacity, n) or copied
         host.wait([a for bc in self.cache for a in bc.state])
         self._reshaped = True
         return copied
@@ -95,14 +113,14 @@ class BatchRows:
         added to `hidden`), appended as the batch's first row. A one-token prompt feeds its token and trims
         it again (the row then starts empty). -> the positions the row holds."""
         n = max(1, min(self.prefills.chunk_size([], 0, None), p.total - 1))
-        single = self.target.make_cache()
+        n = min(n, self.prefills.next_mark(p, 0) or n)  # (a recurrent model: up to its first checkpoint)
+        single = batch_kinds.single_cache(self.target)
         _, h = self.target.forward(mx.array(p.seq.prompt[:n]), single, self.want_hidden)
         if p.total == 1:
             n = 0
         elif self.want_hidden:
             hidden.append(h)
-        self._append_row([tree_map(lambda a: a[..., :n, :], (c.keys, c.values)) for c in single],
-                         n + self.prefills.prefill_step)
+        self._append_row([batch_kinds.row_state(c, n) for c in single], n, n + self.prefills.prefill_step)
         return n
 
     def _drop(self, rows: list[int]) -> None:
@@ -115,11 +133,7 @@ class BatchRows:
             fed = tokens[:held]  # every token whose entries the row holds
             drafter = drafter_prefix.row_states(self, s) if self.prefix_cache is not None else None
             if self.prefix_cache is not None and (len(fed) > self.prefix_cache.match(fed) or drafter is not None):
-                states = [tree_map(lambda a: a[:, :, : len(fed)], bc.row(i)) for bc in self.cache]
-                rows_h = self._hidden_of(s)
-                hidden = mx.concatenate(rows_h)[: len(fed)] if rows_h else None
-                if not (self.prefix_cache.with_hidden and (hidden is None or hidden.shape[0] < len(fed))):
-                    drafter_prefix.store(self.prefix_cache, fed, states, hidden, drafter)
+                self._store_row(i, fed, self._hidden_of(s), drafter)
             p = self.prefills.joining.get(s.id)
             if p is not None:
                 self.prefills.leave(p)
@@ -134,6 +148,22 @@ class BatchRows:
         if not self.seqs:
             self.cache = []
         self._reshaped = True
+
+    def _store_row(self, i: int, fed: list[int], hidden_rows: list, drafter=None) -> None:
+        """Row i's entries of `fed` (every token it holds) into the prefix tree, its recurrent layers' states
+        as the checkpoint after them, with its hidden rows and drafter states."""
+        states, checkpoint = self._split_states([batch_kinds.prefix(bc, i, len(fed)) for bc in self.cache])
+        hidden = mx.concatenate(hidden_rows)[: len(fed)] if hidden_rows else None
+        if not (self.prefix_cache.with_hidden and (hidden is None or hidden.shape[0] < len(fed))):
+            drafter_prefix.store(self.prefix_cache, fed, states, hidden, drafter, checkpoint)
+
+    def _fed(self, p: Prefilling) -> None:
+        """A chunk of p's prompt has crossed every layer (p.done is up to date): at one of its checkpoint marks
+        (a recurrent model: prefill_queue.marks) the row's states go into the prefix tree."""
+        if self.prefix_cache is None or p.done not in p.marks:
+            return
+        self._store_row(self.seqs.index(p.seq), p.seq.prompt[: p.done], p.hidden)
+        self.prefills.checkpoints += 1
 
     def _grow_ahead(self) -> None:
         """Capacity for the prompts being fed, grown ahead of need, doubling, the layers with the least first,

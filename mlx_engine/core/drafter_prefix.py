@@ -42,10 +42,12 @@ def row_states(engine, s) -> tuple[list, int] | None:
     return drafter.prefix_states()
 
 
-def store(tree, fed: list[int], layers: list, hidden, drafter: tuple[list, int] | None) -> None:
-    """A leaving row's entries of `fed` into the tree, with its drafter's for the positions they cover."""
+def store(tree, fed: list[int], layers: list, hidden, drafter: tuple[list, int] | None,
+          checkpoint: list | None = None) -> None:
+    """A leaving row's entries of `fed` into the tree, with its drafter's for the positions they cover (and a
+    recurrent model's checkpoint after all of them)."""
     if drafter is not None and drafter[1] > 0:
         states, n = drafter
         n = min(n, len(fed))
         tree.insert(fed[:n], layers, hidden[:n] if hidden is not None else None, drafter=states)
-    tree.insert(fed, layers, hidden)
+    tree.insert(fed, layers, hidden, checkpoint=checkpoint)

@@ -26,6 +26,10 @@ joined). A spare row costs one more row of the longest row's entries: what that 
 QuantizedBatchKVCache holds each entry as mlx-lm's QuantizedKVCache does, (data, scales, biases) per
 token in groups along the head dimension (`bits` / `group_size` make mlx-lm's attention take the
 quantized path); each part is [B, H, cap, *] and moves like the plain arrays above.
+
+A sliding-window layer (`window`) keeps every entry too: its rows roll back, join and leave like any other
+(a window's entries are functions of their tokens), and its attention reads each query's last `window` keys.
+Memory: a full layer's, not a window's (the cost of exact per-row rollback without a ring buffer).
 """
 
 from __future__ import annotations
@@ -38,7 +42,11 @@ MAX_SPARE = 2  # rows that left kept as spare rows for the next joins (a leave l
 
 
 class BatchKVCache:
-    def __init__(self):
+    def __init__(self, window: int | None = None):
+        """window: a sliding-window layer's (mlx-lm's RotatingKVCache max_size): a query at position p attends
+        keys p - window + 1 .. p. Every entry is kept (a row's entries at the same indices as alone, rolled
+        back like any other); the attention reads the window (target_model/sequence_attention.py)."""
+        self.window = window
         self.keys = None  # [B, H, cap, D] (a quantized cache: a tuple of such parts)
         self.values = None
         self.lens: list[int] = []
@@ -69,12 +77,13 @@ class BatchKVCache:
         return mx.array(self.lens, dtype=mx.int32)
 
     def make_mask(self, n: int, return_array: bool = False, window_size: int | None = None) -> mx.array:
-        """[B, 1, n, S] booleans: row i's query t sees keys 0..lens[i] + t (S = max length after the pass)."""
-        if window_size is not None:
-            raise ValueError("sliding-window attention is not batched (BatchKVCache)")
+        """[B, 1, n, S] booleans: row i's query t sees keys 0..lens[i] + t (S = max length after the pass), the
+        last window_size of them when given (a sliding-window layer's mask, as mlx-lm makes it)."""
         lens = mx.array(self.lens, dtype=mx.int32)[:, None, None, None]
         q = mx.arange(n)[None, None, :, None]
         k = mx.arange(max(self.lens) + n)[None, None, None, :]
+        if window_size is not None:
+            return (k <= lens + q) & (k > lens + q - window_size)
         return k <= lens + q
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
@@ -143,6 +152,15 @@ class BatchKVCache:
         """Count a pass of t positions per row as written without writing them (a layer no row computes in,
         target_model/layer_span.py): what they hold is garbage, as an idle row's, trimmed by the caller."""
         self.lens = [n + t for n in self.lens]
+
+    def begin_pass(self, real: list[int], verified: int) -> None:
+        """Told before each batch pass: each row's real tokens, and the most a row may roll back within (a
+        recurrent cache needs both; every KV entry is its own token's, so nothing here)."""
+
+    def end_pass(self, width: int, kept: list[int]) -> None:
+        """After a pass of `width` positions per row: row i keeps the first kept[i] of them."""
+        for i, n in enumerate(kept):
+            self.trim_row(i, width - n)
 
     def trim_row(self, i: int, n: int) -> None:
         """Drop the last n entries of row i."""
@@ -233,14 +251,3 @@ def append_sequence(batch: list[BatchKVCache], cache: list) -> list[BatchKVCache
     for bc, c in zip(batch, cache):
         bc.add_row(*tree_map(lambda x: x[:, :, : c.offset], (c.keys, c.values)))
     return batch
-
-
-def batchable(cache: list) -> str | None:
-    """None when every layer of this single-sequence mlx-lm cache is a plain or quantized KVCache (what
-    BatchKVCache / QuantizedBatchKVCache replace), else why not."""
-    from mlx_lm.models.cache import KVCache, QuantizedKVCache
-
-    for c in cache:
-        if type(c) not in (KVCache, QuantizedKVCache):
-            return f"its cache has {type(c).__name__} layers (only plain KV caches are batched yet)"
-    return None

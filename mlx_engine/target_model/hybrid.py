@@ -16,7 +16,8 @@ then sets a layer to the state after token n_keep-1 instead of restoring a snaps
 kept tokens. Outputs equal the stock layer's: on the CPU the reference runs the very ops of mlx-lm's
 `gated_delta_ops` (bit for bit); on a GPU the fused kernel agrees to fp32 rounding. Other passes
 (a 1-token decode, prompt chunks, masked batches) run the stock code and leave `per_token = None`, which
-makes rollback fall back to snapshot + replay for that pass.
+makes rollback fall back to snapshot + replay for that pass. A batch's rows (a BatchRecurrentCache)
+take target_model/gdn_rows.py: each row stops at its own last real token and rolls back on its own.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .. import kernels
+from .batch_recurrent import BatchRecurrentCache
+from .gdn_rows import front, rows_call
 
 MAX_TOKENS = 32  # longest pass whose per-token states are kept (verify passes; not prompts)
 
@@ -58,25 +61,12 @@ def _gdn_classes() -> tuple[type, ...]:
     return tuple(out)
 
 
-def _front(layer, inputs):
-    """The layer's input projections -> (mixed_qkv [B, S, conv_dim], z [B, S, Hv, Dv], b, a), exactly as
-    mlx-lm's __call__ computes them."""
-    B, S, _ = inputs.shape
-    if hasattr(layer, "in_proj_qkvz"):  # qwen3_next
-        q, k, v, z, b, a = layer.fix_query_key_value_ordering(layer.in_proj_qkvz(inputs), layer.in_proj_ba(inputs))
-        mixed = mx.concatenate([q.reshape(B, S, -1), k.reshape(B, S, -1), v.reshape(B, S, -1)], axis=-1)
-        return mixed, z, b, a
-    qkv = layer.in_proj_qkv(inputs)  # qwen3_5
-    z = layer.in_proj_z(inputs).reshape(B, S, layer.num_v_heads, layer.head_v_dim)
-    return qkv, z, layer.in_proj_b(inputs), layer.in_proj_a(inputs)
-
-
 def _per_token_call(self, inputs, mask=None, cache=None):
     """mlx-lm's GatedDeltaNet.__call__ with the recurrence run by gdn_step and every state kept."""
     from mlx_lm.models.gated_delta import compute_g, normalize_qk
 
     B, S, _ = inputs.shape
-    mixed, z, b, a = _front(self, inputs)
+    mixed, z, b, a = front(self, inputs)
     conv_state = cache[0]
     if conv_state is None:
         conv_state = mx.zeros((B, self.conv_kernel_size - 1, self.conv_dim), dtype=inputs.dtype)
@@ -115,6 +105,8 @@ def _install(layer: nn.Module, max_tokens: int) -> bool:
         return True
 
     def __call__(self, inputs, mask=None, cache=None):
+        if isinstance(cache, BatchRecurrentCache):  # the rows of a batch (continuous batching)
+            return rows_call(self, inputs, cache)
         S = inputs.shape[1]
         usable = (
             cache is not None

@@ -17,7 +17,15 @@ returns them for the leading edges that have them. Edges split at the token wher
 them, so reuse is exact to the token. Stored arrays are copies: the tree never keeps a live cache alive.
 
 Only caches whose entries are a function of their own tokens (KVCache, QuantizedKVCache) can be cached
-this way; `supported(cache)` says why not for the rest (recurrent states, rotating windows).
+this way; `supported(cache)` says why not for the rest (recurrent states, rotating windows) in a single
+sequence's cache (the batch engine keeps a window's every entry, target_model/batch_cache.py).
+
+Recurrent layers (a hybrid model's GatedDeltaNet) have no per-token entries: a tree made with
+`checkpoints=True` keeps, besides the other layers' entries along the edges, CHECKPOINTS of the recurrent
+states at chosen node ends (`insert(..., checkpoint=...)`: the states after exactly those tokens). A lookup
+then takes the deepest checkpoint at or before the longest cached prefix (`match` says where, `depth` how
+far the tokens go): the caller restores it and feeds the rest. Where the checkpoints go is the caller's
+choice (core/batch_rows.py: where requests part, prompt ends, a stride through long prompts).
 """
 
 from __future__ import annotations
@@ -88,11 +96,12 @@ def fill(cache: list, states: list, n: int, start: int = 0) -> None:
 
 
 class _Node:
-    __slots__ = ("tokens", "layers", "hidden", "drafter", "children", "parent", "used", "nbytes")
+    __slots__ = ("tokens", "layers", "hidden", "drafter", "checkpoint", "children", "parent", "used", "nbytes")
 
     def __init__(self, tokens: list[int], layers: list, hidden, parent: "_Node | None", drafter: list | None = None):
         self.tokens, self.layers, self.hidden, self.parent = tokens, layers, hidden, parent
         self.drafter = drafter  # the drafter's per-layer states of these positions, or None
+        self.checkpoint = None  # the recurrent layers' states after this node's last token, or None
         self.children: dict[int, _Node] = {}
         self.used = 0
         self.nbytes = _nbytes(layers) + (hidden.nbytes if hidden is not None else 0) + _nbytes(drafter or [])
@@ -108,18 +117,22 @@ class Hit:
     hidden: mx.array | None = None
     drafter: list | None = None
     drafter_n: int = 0
+    checkpoint: list | None = None  # the recurrent layers' states after the n tokens (a checkpoint tree)
 
 
 class PrefixCache:
     """Radix tree of cached prefixes. Call from one thread (the engine's)."""
 
-    def __init__(self, budget_bytes: int, with_hidden: bool = False, min_tokens: int = 16):
+    def __init__(self, budget_bytes: int, with_hidden: bool = False, min_tokens: int = 16,
+                 checkpoints: bool = False):
         """budget_bytes: the most the stored entries may hold (least recently used leaves go first).
         with_hidden: store and return the target hidden rows a drafter reads along with the entries.
-        min_tokens: shorter hits are not worth a copy (returned as n = 0)."""
+        min_tokens: shorter hits are not worth a copy (returned as n = 0). checkpoints: the model has
+        recurrent layers: a hit ends at a checkpoint of their states."""
         self.budget = int(budget_bytes)
         self.with_hidden = with_hidden
         self.min_tokens = min_tokens
+        self.checkpoints = checkpoints
         self.root = _Node([], [], None, None)
         self.nbytes = 0
         self._tick = 0
@@ -144,14 +157,33 @@ class PrefixCache:
             node = child
         return path
 
+    def _usable(self, path: list) -> list:
+        """The part of `path` a hit may use: all of it, or in a checkpoint tree up to the deepest node end
+        holding a checkpoint."""
+        if not self.checkpoints:
+            return path
+        end = 0
+        for j, (node, m) in enumerate(path):
+            if m < len(node.tokens):
+                break
+            if node.checkpoint is not None:
+                end = j + 1
+        return path[:end]
+
     def match(self, tokens: list[int]) -> int:
-        """How many leading tokens of `tokens` are cached (nothing copied)."""
+        """How many leading tokens of `tokens` a hit would restore (nothing copied)."""
+        return sum(m for _, m in self._usable(self._walk(tokens)))
+
+    def depth(self, tokens: list[int]) -> int:
+        """How many leading tokens of `tokens` the tree holds (a checkpoint tree's hit may restore fewer:
+        `match`)."""
         return sum(m for _, m in self._walk(tokens))
 
     def lookup(self, tokens: list[int]) -> Hit:
-        """The longest cached prefix of `tokens`: its layer states (lazy copies) and hidden rows."""
+        """The longest cached prefix of `tokens` (in a checkpoint tree: up to its deepest checkpoint): its
+        layer states (lazy copies), hidden rows, drafter states and checkpoint."""
         self.lookups += 1
-        path = self._walk(tokens)
+        path = self._usable(self._walk(tokens))
         n = sum(m for _, m in path)
         if n < self.min_tokens:
             return Hit(0)
@@ -172,19 +204,45 @@ class PrefixCache:
             kept.append(node.drafter if m == len(node.tokens) else [_slice(s, 0, m) for s in node.drafter])
         drafter = [_concat([p[i] for p in kept]) for i in range(len(kept[0]))] if kept else None
         drafter_n = sum(m for _, m in path[: len(kept)])
-        return Hit(n, layers, hidden, drafter, drafter_n)
+        checkpoint = path[-1][0].checkpoint if self.checkpoints else None
+        return Hit(n, layers, hidden, drafter, drafter_n, checkpoint)
 
     # -- writing -----------------------------------------------------------------------------------------
     def insert(self, tokens: list[int], layers: list, hidden: mx.array | None = None, copy: bool = True,
-               drafter: list | None = None) -> int:
+               drafter: list | None = None, checkpoint: list | None = None) -> int:
         """Store the entries of `tokens` (layers: per layer, a state holding at least len(tokens) positions,
         e.g. layer_states(cache, n); hidden: their hidden rows when the tree keeps them; drafter: the
-        drafter's per-layer states of the same positions, or None). Only the part not cached yet is stored:
-        copied, or with copy=False kept as views of the caller's arrays (a cache it hands over and will not
-        write again: no copy, no wait); edges on the way that lack the drafter's states take them. Returns
-        the tokens newly stored."""
+        drafter's per-layer states of the same positions, or None; checkpoint: a checkpoint tree's recurrent
+        states after exactly these tokens, or None). Only the part not cached yet is stored: copied, or with
+        copy=False kept as views of the caller's arrays (a cache it hands over and will not write again: no
+        copy, no wait); edges on the way that lack the drafter's states take them. Returns the tokens newly
+        stored."""
         if self.with_hidden and hidden is None:
             raise ValueError("this prefix cache keeps hidden rows: insert needs them")
+        stored = self._insert(tokens, layers, hidden, copy, drafter)
+        if checkpoint is not None and tokens:
+            self._checkpoint(tokens, checkpoint, copy)
+        return stored
+
+    def _checkpoint(self, tokens: list[int], states: list, copy: bool) -> None:
+        """The recurrent states after `tokens` (stored just before) on the node ending there."""
+        path = self._walk(tokens)
+        if sum(m for _, m in path) != len(tokens):  # (not all stored: over the budget)
+            return
+        node, m = path[-1]
+        if m < len(node.tokens):  # tokens end inside an edge: cut it there
+            node = self._split(node, m)
+        if node.checkpoint is not None:  # the same tokens: the same states
+            return
+        node.checkpoint = [tree_map(mx.contiguous, s) for s in states] if copy else list(states)
+        extra = _nbytes(node.checkpoint)
+        node.nbytes += extra
+        self.nbytes += extra
+        if copy:
+            host.wait(node.checkpoint)
+        self._evict(keep=node)
+
+    def _insert(self, tokens: list[int], layers: list, hidden, copy: bool, drafter: list | None) -> int:
         path = self._walk(tokens)
         self._tick += 1
         cut = _slice if copy else _view
@@ -227,6 +285,9 @@ class PrefixCache:
                      mx.contiguous(node.hidden[m:]) if node.hidden is not None else None, upper,
                      [_slice(s, m) for s in node.drafter] if node.drafter is not None else None)
         rest.used, rest.children = node.used, node.children
+        if node.checkpoint is not None:  # (the states after the edge's last token: the lower part's end)
+            rest.checkpoint = node.checkpoint
+            rest.nbytes += _nbytes(node.checkpoint)
         for c in rest.children.values():
             c.parent = rest
         upper.children[rest.tokens[0]] = rest
@@ -263,6 +324,13 @@ class PrefixCache:
         """Token positions stored (a token shared by several prompts counts once)."""
         return sum(len(n.tokens) for n in self._nodes())
 
+    @property
+    def checkpoint_count(self) -> int:
+        return sum(n.checkpoint is not None for n in self._nodes())
+
     def status(self) -> dict:
-        return {"bytes": self.nbytes, "budget_bytes": self.budget, "tokens": self.tokens, "lookups": self.lookups,
-                "hits": self.hits, "hit_tokens": self.hit_tokens, "evicted_tokens": self.evicted_tokens}
+        out = {"bytes": self.nbytes, "budget_bytes": self.budget, "tokens": self.tokens, "lookups": self.lookups,
+               "hits": self.hits, "hit_tokens": self.hit_tokens, "evicted_tokens": self.evicted_tokens}
+        if self.checkpoints:
+            out["checkpoints"] = self.checkpoint_count
+        return out

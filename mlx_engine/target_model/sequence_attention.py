@@ -30,12 +30,12 @@ from .invariant_rows import active
 
 
 def per_sequence(original, queries, keys, values, cache: BatchKVCache, scale: float, **kw) -> mx.array:
-    """Each sequence's L queries over its own keys, causal (one query: every key), joined on the batch axis;
-    idle rows are zeros."""
-    mask = "causal" if queries.shape[2] > 1 else None
-    return over_sequences(lambda q, k, v: original(q, k, v, cache=cache, scale=scale, mask=mask, **kw),
+    """Each sequence's L queries over its own keys, causal (one query: every key; a sliding-window layer:
+    its last `cache.window`), joined on the batch axis; idle rows are zeros."""
+    causal = "causal" if queries.shape[2] > 1 else None
+    return over_sequences(lambda q, k, v, mask=causal: original(q, k, v, cache=cache, scale=scale, mask=mask, **kw),
                           cache.lens, (queries,), (keys, values), value_width(values, getattr(cache, "group_size", 0)),
-                          ragged=mask is not None)
+                          ragged=causal is not None, window=cache.window)
 
 
 def _wrap(modname: str) -> None:

@@ -1,0 +1,104 @@
+"""Which batch cache holds a layer of a batch, from the layer's single-sequence mlx-lm cache: the one table
+the batch engine reads (as mlx-lm's caches carry their own merge / filter / extract).
+
+    KVCache                  BatchKVCache                   entries per token: sliced, copied, trimmed
+    QuantizedKVCache         QuantizedBatchKVCache          the same, each entry quantized
+    RotatingKVCache          BatchKVCache(window=W)         a sliding window: every entry kept, each query
+                                                            attends its last W keys (sequence_attention.py)
+    ArraysCache (GDN)        BatchRecurrentCache            one state per row (batch_recurrent.py)
+
+A layer is *positional* when its row state is a run of per-token entries (a prefix of it is the state of a
+prefix of the tokens: the prefix tree slices it, another row's prefix can be copied); a recurrent layer is
+not (the prefix tree keeps checkpoints of it instead, target_model/prefix_cache.py).
+
+`why_not(cache, model)` says why a model cannot be batched, or None.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+from mlx.utils import tree_map
+from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache, RotatingKVCache
+
+from .batch_cache import BatchKVCache, QuantizedBatchKVCache
+from .batch_recurrent import BatchRecurrentCache
+
+
+def batch_layer(c):
+    """An empty batch cache for the layer whose single-sequence cache is `c`."""
+    if type(c) is KVCache:
+        return BatchKVCache()
+    if type(c) is QuantizedKVCache:
+        return QuantizedBatchKVCache(c.group_size, c.bits)
+    if type(c) is RotatingKVCache:
+        return BatchKVCache(window=c.max_size)
+    if type(c) is ArraysCache:
+        return BatchRecurrentCache(len(c.cache))
+    raise ValueError(f"no batch cache for {type(c).__name__}")
+
+
+def _recurrent_layers(model) -> int:
+    """GatedDeltaNet layers patched to run the rows of a batch (target_model/hybrid.py)."""
+    return sum(getattr(type(m), "_mlx_engine_per_token", False) for _, m in model.named_modules())
+
+
+def why_not(cache: list, model) -> str | None:
+    """None when every layer of this single-sequence cache has a batch cache, else why not."""
+    arrays = 0
+    for c in cache:
+        if type(c) is RotatingKVCache and c.keep:
+            return f"its sliding-window layers keep {c.keep} first tokens (attention sinks), which are not batched"
+        if type(c) is ArraysCache:
+            arrays += 1
+        elif type(c) not in (KVCache, QuantizedKVCache, RotatingKVCache):
+            return f"its cache has {type(c).__name__} layers, which are not batched"
+    if arrays and arrays != _recurrent_layers(model):
+        return ("its recurrent layers are not GatedDeltaNet ones (only qwen3_next / qwen3_5's are batched: "
+                "their rows stop at their own tokens and roll back on their own)")
+    return None
+
+
+def positional(c) -> bool:
+    """Whether a layer's row state is per-token entries (a single cache `c` or a batch cache)."""
+    return not isinstance(c, (ArraysCache, BatchRecurrentCache))
+
+
+def windowed(cache: list) -> bool:
+    return any(type(c) is RotatingKVCache for c in cache)
+
+
+def single_cache(target) -> list:
+    """A single-sequence cache whose every positional layer keeps all its entries (a sliding window's a plain
+    KVCache: the batch row keeps them all), for a batch's first chunk fed alone."""
+    return [KVCache() if type(c) is RotatingKVCache else c for c in target.make_cache()]
+
+
+def row_state(c, n: int):
+    """The state a batch row takes from single cache `c` holding n positions: (keys, values) of them
+    (quantized: parts), or a recurrent layer's arrays ([1, ...] each; zeros for n == 0)."""
+    if isinstance(c, ArraysCache):
+        return tuple(mx.zeros_like(a) if n == 0 else a for a in c.cache)
+    return tree_map(lambda a: a[..., :n, :], (c.keys, c.values))
+
+
+def join(bc, state, capacity: int, n: int) -> bool:
+    """Row `state` (n positions) appended to batch cache bc. -> whether the other rows were copied."""
+    if isinstance(bc, BatchRecurrentCache):
+        return bc.add_row(state, capacity, n)
+    return bc.add_row(*state, capacity)
+
+
+def prefix(bc, i: int, n: int):
+    """Row i's state of its first n positions: KV entries sliced; a recurrent state only at its own length."""
+    if isinstance(bc, BatchRecurrentCache):
+        if n != bc.lens[i]:
+            raise ValueError(f"a recurrent row holds its state after {bc.lens[i]} positions, not {n}")
+        return bc.row(i)
+    return tree_map(lambda a: a[:, :, :n], bc.row(i))
+
+
+def empty_row(bc):
+    """The state of a row holding nothing, shaped like bc's rows."""
+    if isinstance(bc, BatchRecurrentCache):
+        return bc.empty_row()
+    return tree_map(lambda a: mx.zeros((1, a.shape[1], 0, a.shape[3]), a.dtype), bc.row(0))
