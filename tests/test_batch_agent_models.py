@@ -61,7 +61,15 @@ def fed_counter(engine: BatchEngine) -> dict:
             if f is not None and plan.fed[i] and (i not in plan.spans or plan.spans[i].start == 0):
                 fed[f.seq.id] = fed.get(f.seq.id, 0) + plan.fed[i]
 
+    alone_first = engine._first_chunk_alone
+
+    def first_alone(p, hidden):  # (a batch without rows feeds a first chunk alone)
+        n = alone_first(p, hidden)
+        fed[p.seq.id] = fed.get(p.seq.id, 0) + n
+        return n
+
     engine._prompt_turn = counting
+    engine._first_chunk_alone = first_alone
     return fed
 
 
@@ -92,3 +100,192 @@ def test_quantized_kv_rows_equal_each_alone(family):
     for i, r in reqs.items():
         each, _ = run(BatchEngine(model, drafter(family, **heads), num_draft=2, max_batch=1, **kv), {i: r})
         assert together[i] == each[i]
+
+
+# -------------------------------------------------------------------------------------------- sampled rows
+
+SMALL_VOCAB = 6
+SAMPLED_PROMPT = [1, 4, 2, 5, 3, 0, 2, 4, 1, 3, 5, 2]  # 12 tokens: the window (8) wraps before the first draw
+
+
+@pytest.mark.parametrize("family", [f if f in ("qwen3_next", "gpt_oss") else pytest.param(f, marks=pytest.mark.slow)
+                                    for f in FAMILIES])
+def test_sampled_rows_follow_the_target_distribution(family):
+    """400 sampled requests, 8 at a time (rows joining as others leave), speculation on with a draft that is
+    often rejected: every token given all before it follows the target's distribution (a conditional
+    chi-square grouped by the token before it; sampling_reference.py), never a probability-0 token."""
+    from sampling_reference import grouped_p_value
+    from test_distribution_positions import ALPHA, reference_probs
+
+    model = target(family, SMALL_VOCAB)
+    cfg = SamplingConfig(temperature=0.8, top_k=4)
+    engine = BatchEngine(model, drafter(family, SMALL_VOCAB, noise=0.05), num_draft=3, max_batch=8,
+                         prefix_cache_bytes=0)
+    runs, n = 400, 8
+    got, done, waiting = {}, {}, list(range(runs))
+    while len(done) < runs:
+        while waiting and engine.free_slots() > 0:  # a new request joins as soon as a row leaves
+            seed = waiting.pop(0)
+            engine.add(seed, SAMPLED_PROMPT, n, sampling=cfg, seed=seed)
+        for o in engine.step():
+            got.setdefault(o.seq_id, []).extend(o.tokens)
+            if o.finished:
+                done[o.seq_id] = (o.finished, o.stats)
+    tokens = np.array([got[s] for s in range(runs)])
+    probs = reference_probs(model, SAMPLED_PROMPT, tokens, cfg)
+    picked = np.take_along_axis(probs, tokens[..., None], axis=-1)[..., 0]
+    assert (picked > 0).all(), "sampled a probability-0 token"
+    previous = np.concatenate([np.full((runs, 1), SAMPLED_PROMPT[-1]), tokens[:, :-1]], axis=1)
+    p, _ = grouped_p_value(probs.reshape(-1, SMALL_VOCAB), tokens.reshape(-1), previous.reshape(-1))
+    assert p > ALPHA, p
+    drafted = sum(s["drafted"] for _, s in done.values())
+    accepted = sum(s["accepted"] for _, s in done.values())
+    assert 0 < accepted < drafted, (accepted, drafted)
+
+
+# --------------------------------------------------------------------------------------------- prefix tree
+
+def tree_prompts():
+    rng = np.random.default_rng(0)
+    a = rng.integers(0, tiny_models.VOCAB, 90).tolist()
+    b = a[:40] + rng.integers(0, tiny_models.VOCAB, 30).tolist()  # parts from a after 40 tokens
+    c = a[:40] + rng.integers(0, tiny_models.VOCAB, 25).tolist()  # and from both there
+    return a, b, c
+
+
+@pytest.mark.cpu_exact
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_prefix_hit_equals_a_cold_run_and_feeds_only_the_rest(family, sampled):
+    """An agent's turns through one engine (the tree kept between them) against each turn cold (no tree):
+    equal tokens, greedy and seeded; each turn's row is fed exactly the prompt tokens after what the hit
+    restored. What a hit restores: a sliding-window model the whole shared prefix; a hybrid the deepest
+    checkpoint of its recurrent states: none before the turn where two prompts first part (b), then exactly
+    where they part (c, a checkpoint b left at 40), the whole earlier conversation (the next turn), and a
+    resent prompt one token short of its end."""
+    model = target(family)
+    kw = {"sampling": SamplingConfig(temperature=0.9), "seed": 5} if sampled else {}
+    a, b, c = tree_prompts()
+    engine = BatchEngine(model, drafter(family), num_draft=2, max_batch=4)
+    fed = fed_counter(engine)
+
+    def turn(name, prompt):
+        got, done = run(engine, {name: (prompt, 10, kw)})
+        cold, _ = run(BatchEngine(model, drafter(family), num_draft=2, max_batch=4, prefix_cache_bytes=0),
+                      {name: (prompt, 10, kw)})
+        assert got[name] == cold[name], name
+        reused = done[name][1]["reused_prompt_tokens"]
+        assert fed[name] == len(prompt) - reused, (name, fed[name], reused)
+        return got[name], reused
+
+    answer, reused = turn("a", a)
+    assert reused == 0
+    turns = {"b": b, "c": c, "next": a + answer + [3, 1, 4, 1, 5], "resent": a}
+    reused = {name: turn(name, p)[1] for name, p in turns.items()}
+    if family in HYBRID:
+        expect = {"b": 0, "c": 40, "next": len(a) + len(answer) - 1, "resent": len(a) - 1}
+    else:
+        expect = {"b": 40, "c": 40, "next": len(a) + len(answer) - 1, "resent": len(a) - 1}
+    assert reused == expect
+
+
+# --------------------------------------------------------------------------------------- an agent's prompt
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_newcomer_s_first_token_comes_within_two_steps_beside_a_long_prompt(family):
+    """A short request arriving while an 1,200-token prompt is fed (chunks of 16) gets its first token within
+    two steps, the long one's chunks paused meanwhile; both end equal to each alone."""
+    from test_agent_prefill import engine_for, step_until
+    from test_batch_prefill import assert_greedy_equal
+
+    model = target(family)
+    rng = np.random.default_rng(11)
+    long, short = rng.integers(1, tiny_models.VOCAB, 1200).tolist(), rng.integers(1, tiny_models.VOCAB, 8).tolist()
+    engine = engine_for(model, drafter(family))
+    out = {}
+    engine.add("long", long, 6)
+    for _ in range(4):
+        engine.step()
+    assert [p["stage"] for p in engine.prefilling()] == ["target"]
+    engine.add("short", short, 6)
+    steps = step_until(engine, lambda o: o.get("short"), out, 20)
+    assert steps <= 2, f"first token after {steps} steps"
+    step_until(engine, lambda _: not engine.running(), out, 3000)
+    assert_greedy_equal(model, long, out["long"], alone(model, long, 6))
+    assert out["short"] == alone(model, short, 6)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_cancel_at_every_stage_frees_the_row_and_the_rest_go_on(family):
+    """Cancelled while queued, while its prompt is fed, in its drafter's stage and while decoding: each leaves
+    at the next step; the rows left decode on, equal to each alone."""
+    from test_agent_prefill import engine_for
+
+    model = target(family)
+    ps = prompts(5, seed=9)
+    long = ps[0] * 20
+    engine = engine_for(model, drafter(family))
+    for i, p in enumerate([long] + ps[1:]):
+        engine.add(i, p, 12)
+    engine.cancel(4)  # queued
+    ended, out = {}, {}
+
+    def step():
+        for o in engine.step():
+            out.setdefault(o.seq_id, []).extend(o.tokens)
+            if o.finished:
+                ended[o.seq_id] = o.finished
+
+    for _ in range(3):
+        step()
+    assert ended.get(4) == "cancelled"
+    stage = {p["id"]: p["stage"] for p in engine.prefilling()}
+    assert stage.get(0) == "target"
+    engine.cancel(0)  # feeding its prompt
+    step()
+    assert ended.get(0) == "cancelled"
+    while not any(p["stage"] == "drafter" for p in engine.prefilling()) and engine.running():
+        step()
+    in_drafter = next((p["id"] for p in engine.prefilling() if p["stage"] == "drafter"), None)
+    if in_drafter is not None:
+        engine.cancel(in_drafter)
+        step()
+        assert ended.get(in_drafter) == "cancelled"
+    def decoding_row():  # a row past both stages, decoding
+        return next((s.id for s in engine.seqs if s.id not in ended and s.id not in engine.prefills.joining), None)
+
+    while decoding_row() is None:
+        step()
+    decoding = decoding_row()
+    engine.cancel(decoding)
+    step()
+    assert ended.get(decoding) == "cancelled"
+    while engine.running():
+        step()
+    assert engine.cache == [] and not engine.seqs
+    for i in range(1, 4):
+        if ended[i] != "cancelled":
+            assert out[i] == alone(model, ps[i], 12)
+
+
+@pytest.mark.cpu_exact
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next"])
+def test_a_hybrid_target_s_own_mtp_head_drafts_for_every_row(tmp_path_factory, family):
+    """The batched MTP head (one head pass for all rows) on a hybrid target: rows equal each alone; a prefix
+    hit hands the head its entries too (the drafter's state rides in the tree beside the checkpoint)."""
+    from mlx_engine.drafters.mtp import load_mtp_drafter
+    from test_mtp_helpers import load_hf, make
+
+    folder = make(tmp_path_factory, family)
+    model, config = load_hf(folder)
+    engine = BatchEngine(model, load_mtp_drafter(model, folder, config), num_draft=2, max_batch=6)
+    assert engine.batched is not None and engine.drafter_kept is None
+    reqs = {i: (p, 14, {}) for i, p in enumerate(prompts(6, seed=4))}
+    got, _ = run(engine, reqs, joins={2: [4], 5: [5]})
+    assert got == {i: alone(model, p, n) for i, (p, n, _) in reqs.items()}
+    first = reqs[0][0] * 3
+    answer, _ = run(engine, {"a": (first, 8, {})})
+    nxt = first + answer["a"] + [7, 8, 9]
+    got, done = run(engine, {"b": (nxt, 8, {})})
+    assert got["b"] == alone(model, nxt, 8)
+    assert done["b"][1]["reused_prompt_tokens"] == len(first) + 7  # the whole first turn: history less its last
