@@ -149,6 +149,17 @@ class BatchEngine(BatchRows, PromptTurn, VerifyPass, Acceptance, Settle):
         n = sum(a.nbytes for bc in self.cache for a in bc.state)
         return n + (self.prefix_cache.nbytes if self.prefix_cache is not None else 0)
 
+    def layer_kinds(self) -> dict[str, int]:
+        """How many of the target's layers are of each batch cache kind (/health, the start-up line)."""
+        return batch_kinds.count(self.target.make_cache())
+
+    def reuse(self) -> str:
+        """What a prefix-tree hit restores (/health)."""
+        if self.positional:
+            return "entries of every layer, to the token"
+        return (f"attention entries and recurrent-state checkpoints (where prompts part, every "
+                f"{self.prefills.checkpoint_every} tokens, before a long prompt's end, a row's end)")
+
     def check(self, prompt: list[int], max_tokens: int = 1) -> None:
         check_request(prompt, max_tokens, self.target.vocab_size, self.context_length, self.memory)
 

@@ -49,7 +49,7 @@ class BatchRows:
         states, hidden = None, []
         if n and source is None:
             hit = self.prefills.tree_hit(p)
-            n, states = hit.n, self._merged(hit.layers, hit.checkpoint)
+            n, states = hit.n, self._merged(hit.layers, hit.checkpoint) if hit.n else None  # (shorter than min_tokens: 0)
             hidden = [hit.hidden] if hit.hidden is not None else []
             if hit.drafter is not None:  # the drafter's entries too: its stage skips them (drafter_prefix.py)
                 p.drafter_prefix = (hit.drafter, hit.drafter_n)

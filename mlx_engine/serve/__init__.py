@@ -6,7 +6,7 @@
     stream.py    token ids -> the text a client reads, cut at stop strings
     jobs.py      one request on its way through the engine thread (events handed over a queue)
     worker.py    the engine thread: admission, failures, counts; a fair queue over one Engine (any model)
-    batch.py     the engine thread: continuous batching over core.batch_engine.BatchEngine (KV-cache models)
+    batch.py     the engine thread: continuous batching over core.batch_engine.BatchEngine (KV, window, hybrid)
     progress.py  prompts being prefilled: /health, /metrics and a log line per long one
     metrics.py   GET /metrics (prometheus_client)
     app.py       the FastAPI routes, SSE streaming, disconnects

@@ -27,7 +27,9 @@ class BatchWorker(WorkerBase):
         # whether a prefix hit also spares the drafter its re-feed (core/drafter_prefix.py), or why not
         drafter_state = None if self.engine.drafter is None else self.engine.drafter_kept or "kept"
         return {**super().status(), "max_batch": self.engine.max_batch, "largest_batch": self.largest_batch,
-                "prefix_cache": {**tree.status(), "drafter_state": drafter_state} if tree is not None else None,
+                "layers": self.engine.layer_kinds(),
+                "prefix_cache": {**tree.status(), "drafter_state": drafter_state, "reuse": self.engine.reuse()}
+                if tree is not None else None,
                 "waiting_for_memory": self._held is not None,
                 "step_costs": {str(b): {str(k): round(t, 4) for k, t in c.items()}
                                for b, c in self.engine.policy.costs().items()}}

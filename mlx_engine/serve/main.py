@@ -118,6 +118,8 @@ def build_service(args):
                   memory=budget, prefix_cache_bytes=tree)
     common = dict(max_queue=args.max_queue, num_draft=num_draft)
     worker = None
+    why = "--batching fair" if args.batching == "fair" else \
+        "a sharded target (--distributed) runs one request at a time" if distributed else None
     if args.batching != "fair" and not distributed:
         from ..core.batch_engine import BatchEngine
         from .batch import BatchWorker
@@ -132,15 +134,15 @@ def build_service(args):
         elif args.batching == "continuous":
             raise UsageError(f"--batching continuous: this model cannot be batched ({engine.supported})")
         else:
-            print(f"note: serving one request at a time (fair queue): this model cannot be batched yet "
-                  f"({engine.supported})", file=sys.stderr)
+            why = f"this model cannot be batched yet: {engine.supported}"
+            print(f"note: serving one request at a time (fair queue): {why}", file=sys.stderr)
     if worker is None:
         try:
             make_engine = getattr(loaded, "engine_class", Engine)  # sharded: a DistributedEngine
             engine = make_engine(loaded.model, drafter, batch_invariant=invariant, **memory)
         except ValueError as e:
             raise UsageError(str(e)) from None
-        worker = FairQueueWorker(engine, loaded.tokenizer, **common)
+        worker = FairQueueWorker(engine, loaded.tokenizer, why=why, **common)
     name = Path(str(loaded.path)).name
     if name.endswith(".gguf"):
         name = name[: -len(".gguf")]
@@ -148,6 +150,18 @@ def build_service(args):
                       max_body_bytes=args.max_body_bytes, api_key=args.api_key, memory=budget,
                       strict_model_name=args.strict_model_name)
     return service, kind
+
+
+def cache_line(status: dict) -> str:
+    """What the start-up line says of the caches: the layers' kinds and what the prefix cache keeps."""
+    layers = ", ".join(f"{n} {kind}" for kind, n in (status.get("layers") or {}).items())
+    tree = status.get("prefix_cache")
+    if status["mode"] != "continuous":
+        return f"layers {layers}; " * bool(layers) + f"fair queue: {status.get('why_fair_queue')}"
+    if tree is None:
+        return f"layers {layers}; no prefix cache"
+    kept = tree.get("reuse", "entries")
+    return f"layers {layers}; prefix cache {tree['budget_bytes'] / 2**30:.2f} GiB ({kept})"
 
 
 def memory_plan(loaded, drafter, args):
@@ -229,9 +243,11 @@ def run_serve(args) -> int:
     if beyond_loopback(args.host) and not args.api_key:
         print(f"warning: listening on {args.host}, beyond this machine, with no API key: anyone who can reach port "
               f"{port} can use the model (set --api-key or MLX_ENGINE_API_KEY)", file=sys.stderr, flush=True)
+    status = service.worker.status()
     print(f"serving {service.model_id} on http://{args.host}:{port}/v1 (drafter {kind}, num-draft "
-          f"{args.num_draft}, {service.worker.mode}, up to {args.max_concurrency} at once"
-          f"{', batch invariant' if service.worker.status()['batch_invariant'] else ''})", file=sys.stderr, flush=True)
+          f"{args.num_draft}, {service.worker.mode}, up to {args.max_concurrency if status['mode'] == 'continuous' else 1} "
+          f"at once{', batch invariant' if status['batch_invariant'] else ''}; {cache_line(status)})",
+          file=sys.stderr, flush=True)
     try:
         server.run(sockets=[sock])
     finally:

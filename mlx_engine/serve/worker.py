@@ -1,7 +1,9 @@
 """The engine thread, fair-queue form: requests are served one at a time, first come first served, by the
-engine the CLI uses (any model, any drafter, recurrent or sliding-window caches included). The next
-conversation turn reuses the cache of the common prefix (Engine keeps it). Used where continuous batching
-cannot run: a cache that is not plain KV, or a separate draft model.
+engine the CLI uses (any model, any drafter). The next conversation turn reuses the cache of the common
+prefix (Engine keeps it). Used where continuous batching cannot run, and /health says why (`why_fair_queue`):
+--batching fair, a sharded target, a cache kind the batch engine does not run (LFM2's short convolutions,
+Mamba layers, attention sinks kept in a window), a drafter that reads the single-sequence target cache
+(Gemma 4's assistant), sliding windows under --batch-invariant.
 
 WorkerBase holds what both forms share: admission (at most `max_queue` requests in, counted from
 submission to their terminal event), the counts /health and /metrics show, and the rule that a failure
@@ -16,6 +18,7 @@ import traceback
 
 from .. import text as text_ops
 from ..core.engine import Engine, GenerationConfig
+from ..target_model import batch_kinds
 from .jobs import Done, Failed, Job, Output, speculation
 from .metrics import ServeMetrics
 from .progress import PrefillProgress
@@ -143,10 +146,18 @@ class WorkerBase:
 class FairQueueWorker(WorkerBase):
     mode = "fair-queue"
 
-    def __init__(self, engine: Engine, tokenizer, **kw):
+    def __init__(self, engine: Engine, tokenizer, why: str | None = None, **kw):
+        """why: why this server takes the fair queue (/health says it: --batching fair, a model or drafter the
+        batch engine does not run, a sharded target)."""
         super().__init__(tokenizer, **kw)
         self.engine = engine
+        self.why = why
         self.current: Job | None = None
+
+    def status(self) -> dict:
+        target = getattr(self.engine, "target", None)
+        layers = batch_kinds.count(target.make_cache()) if target is not None else None
+        return {**super().status(), "why_fair_queue": self.why, "layers": layers}
 
     def loop_once(self) -> None:
         job = self.next_job(0.1)

@@ -58,6 +58,19 @@ def why_not(cache: list, model) -> str | None:
     return None
 
 
+KIND_NAMES = {KVCache: "kv", QuantizedKVCache: "quantized kv", RotatingKVCache: "sliding window",
+              ArraysCache: "recurrent"}
+
+
+def count(cache: list) -> dict[str, int]:
+    """Layers of each kind in a single-sequence cache ({"kv": 12, "recurrent": 36})."""
+    out: dict[str, int] = {}
+    for c in cache:
+        name = KIND_NAMES.get(type(c), type(c).__name__)
+        out[name] = out.get(name, 0) + 1
+    return out
+
+
 def positional(c) -> bool:
     """Whether a layer's row state is per-token entries (a single cache `c` or a batch cache)."""
     return not isinstance(c, (ArraysCache, BatchRecurrentCache))
