@@ -289,3 +289,35 @@ def test_a_hybrid_target_s_own_mtp_head_drafts_for_every_row(tmp_path_factory, f
     got, done = run(engine, {"b": (nxt, 8, {})})
     assert got["b"] == alone(model, nxt, 8)
     assert done["b"][1]["reused_prompt_tokens"] == len(first) + 7  # the whole first turn: history less its last
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "gpt_oss"])
+def test_a_prompt_crossing_the_layers_in_steps_beside_a_stream(family, monkeypatch):
+    """Deep in a long prompt a token crosses the layers over several steps (target_model/layer_span.py): in the
+    layers it rests in, a recurrent row keeps its state and a window row its entries; both streams equal
+    each alone."""
+    from mlx_engine.core import batch_turn
+    from test_layer_span import PROMPT, SHORT, crossing_run
+
+    monkeypatch.setattr(batch_turn, "SMALL_PROMPT", 0)  # (the 40-token prompt plays a deep one)
+    model = target(family)
+    out, _, reached = crossing_run(model, drafter(family), PROMPT)
+    assert {1, 2, 3} <= set(reached)  # it crossed in shares
+    assert out["long"] == alone(model, PROMPT, 12) and out["stream"] == alone(model, SHORT, 400)
+
+
+@pytest.mark.cpu_exact
+def test_batch_invariant_rows_of_a_hybrid_equal_its_invariant_decode_and_a_window_says_why_not():
+    """--batch-invariant: a hybrid's rows equal Engine(batch_invariant=True) alone; sliding windows are not
+    covered by the invariant attention yet, and the engine says so (the server's fair queue then says why)."""
+    model = tiny_models.build("qwen3_next", seed=1)[0]  # (its own copy: the invariant path patches it in place)
+    own = DraftModelDrafter(draft.__wrapped__("qwen3_next"), tiny_models.VOCAB)
+    engine = BatchEngine(model, own, num_draft=2, max_batch=4, batch_invariant=True)
+    assert engine.supported is None and engine.batch_invariant
+    reqs = {i: (p, 10, {}) for i, p in enumerate(prompts(4))}
+    got, _ = run(engine, reqs)
+    for i, (p, n, _) in reqs.items():
+        cfg = GenerationConfig(max_tokens=n, num_draft=0)
+        assert got[i] == [t for s in Engine(model, None, batch_invariant=True).generate(p, cfg) for t in s.tokens]
+    windows = BatchEngine(tiny_models.build("gpt_oss", seed=1)[0], None, batch_invariant=True)
+    assert "sliding-window" in windows.supported
