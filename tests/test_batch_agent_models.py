@@ -1,5 +1,6 @@
 """The models agents run take the batch engine's whole path (issue 51): hybrid GatedDeltaNet targets (qwen3_next,
-qwen3_5 dense and MoE) and sliding-window ones (gpt-oss, Gemma 4 with its KV-shared layers), each with a draft
+qwen3_5 dense and MoE), sliding-window ones (gpt-oss, Gemma 4 with its KV-shared layers) and a CacheList per
+layer (LongCat-Flash: the concurrency and prefix-tree tests), each with a draft
 model of its own kind (a hybrid draft beside a hybrid target). For each: 8 concurrent greedy requests with
 speculation on equal each served alone (rows joining and leaving mid-batch, windows wrapping inside verify
 passes: window 8, prompts of 12-40 tokens, 3 drafts a pass); sampled rows follow the target's distribution;
@@ -22,6 +23,7 @@ from mlx_engine.target_model.batch_recurrent import BatchRecurrentCache
 from test_batch_engine import alone, run
 
 FAMILIES = tiny_models.AGENT_FAMILIES
+LISTS = ("longcat_flash",)  # a CacheList per layer (two MLA attentions, each its own KV cache)
 HYBRID = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
 
 
@@ -74,7 +76,7 @@ def fed_counter(engine: BatchEngine) -> dict:
 
 
 @pytest.mark.cpu_exact
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", FAMILIES + LISTS)
 def test_eight_concurrent_greedy_rows_with_speculation_equal_each_alone(family):
     model = target(family)
     reqs = {i: (p, 14 + 3 * i, {}) for i, p in enumerate(prompts())}
@@ -155,7 +157,7 @@ def tree_prompts():
 
 @pytest.mark.cpu_exact
 @pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", FAMILIES + LISTS)
 def test_a_prefix_hit_equals_a_cold_run_and_feeds_only_the_rest(family, sampled):
     """An agent's turns through one engine (the tree kept between them) against each turn cold (no tree):
     equal tokens, greedy and seeded; each turn's row is fed exactly the prompt tokens after what the hit

@@ -62,6 +62,14 @@ CONFIGS = {
         vocab_size_per_layer_input=VOCAB, use_double_wide_mlp=False, final_logit_softcapping=30.0,
         rms_norm_eps=1e-6, tie_word_embeddings=True,
     ),
+    # a CacheList per layer (two MLA attentions a layer, each with its own KV cache)
+    "longcat_flash": dict(
+        model_type="longcat_flash", attention_method="MLA", zero_expert_type="identity", hidden_size=48,
+        ffn_hidden_size=96, moe_topk=2, expert_ffn_hidden_size=32, n_routed_experts=4, zero_expert_num=1,
+        num_layers=2, max_position_embeddings=2048, num_attention_heads=4, kv_lora_rank=16, q_lora_rank=24,
+        qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=12, routed_scaling_factor=1.0, rms_norm_eps=1e-6,
+        rope_theta=10000.0, mla_scale_q_lora=True, mla_scale_kv_lora=True, attention_bias=False,
+    ),
     # a recurrent kind the batch engine does not run (LFM2's short convolutions): served one at a time, saying why
     "lfm2": dict(
         model_type="lfm2", hidden_size=48, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,

@@ -179,6 +179,13 @@ def start_mlx_lm(port: int, model: str, max_tokens: int, log) -> subprocess.Pope
     return subprocess.Popen(cmd, stdout=log, stderr=log, start_new_session=True)
 
 
+def label(setting: str, model: str | None) -> str:
+    """The server of a setting, as an error names it."""
+    if setting == MLX_LM:
+        return f"mlx-lm's server (python -m mlx_lm server --model {model})"
+    return f"the server with speculation {setting}"
+
+
 def stop_server(proc: subprocess.Popen) -> None:
     if proc.poll() is None:
         os.killpg(proc.pid, signal.SIGTERM)
@@ -252,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
                 port = free_port()
                 procs.append(start_mlx_lm(port, model, args.max_tokens, log))
                 url = f"http://127.0.0.1:{port}"
-                servers[name] = (url, wait_ready(url, procs[-1], 300, model, "mlx-lm's server"), None)
+                servers[name] = (url, wait_ready(url, procs[-1], 300, model, label(name, model)), None)
                 print(f"{MLX_LM}: python -m mlx_lm server --model {model} on {url}", flush=True)
                 continue
             nd = args.spec_num_draft if name == "on" else "0"
@@ -262,10 +269,14 @@ def main(argv: list[str] | None = None) -> int:
             port = free_port()
             procs.append(start_server(port, [*serve_flags, "--num-draft", nd], log))
             url = f"http://127.0.0.1:{port}"
-            servers[name] = (url, wait_ready(url, procs[-1], 300), None)
+            servers[name] = (url, wait_ready(url, procs[-1], 300, name=label(name, model)), None)
             print(f"speculation {name}: server with --num-draft {nd} on {url}", flush=True)
         for name, (url, model, nd) in servers.items():  # the first cycles (lazy set-up) are not measured
-            Phase(url, model, 1, 1, 8, 60, texts[-1:], nd).run()
+            warm = Phase(url, model, 1, 1, 8, 60, texts[-1:], nd)
+            warm.run()
+            if warm.errors:  # e.g. mlx-lm's server answers /v1/models even when its model failed to load
+                raise RuntimeError(f"{label(name, model)} failed its first request: {warm.errors[0]} "
+                                   "(--log FILE keeps its output)")
         # the settings alternate per client count, in alternating order, so a machine load that drifts
         # during the run favours neither
         for j, c in enumerate(args.clients):
