@@ -28,6 +28,9 @@ class BatchWorker(WorkerBase):
         drafter_state = None if self.engine.drafter is None else self.engine.drafter_kept or "kept"
         return {**super().status(), "max_batch": self.engine.max_batch, "largest_batch": self.largest_batch,
                 "layers": self.engine.layer_kinds(),
+                # every model's rows verify chains: a tree drafter (suffix, mtp-tree) drafts its best path here;
+                # token trees run in the single-sequence engine (--batching fair)
+                "drafts": "chains",
                 "prefix_cache": {**tree.status(), "drafter_state": drafter_state, "reuse": self.engine.reuse()}
                 if tree is not None else None,
                 "waiting_for_memory": self._held is not None,
