@@ -38,7 +38,7 @@ from ..sampling import SamplingConfig, check_logprobs
 from ..target_model import prefix_cache as prefix_ops
 from ..target_model import batch_kinds
 from ..target_model.batch_cache import BatchKVCache
-from ..target_model.cache import check_kv_quantization
+from ..target_model.cache import check_kv_quantization, make_cache
 from ..target_model.fixed_rows import make_invariant_batches
 from ..target_model import layer_span, sequence_attention
 from ..target_model.model import Target
@@ -82,7 +82,10 @@ class BatchEngine(BatchRows, PromptTurn, VerifyPass, Acceptance, Settle):
                 invariance_default.default_invariance(several_sequences=True)
         if kv_bits is not None and batch_invariant == "fixed":
             raise ValueError("fixed-row passes do not cover a quantized KV cache: use --batch-invariant kernels")
-        rows, why_not = make_invariant_batches(model, batch_invariant)
+        single = make_cache(model, kv_bits, kv_group_size)
+        windows = batch_invariant not in (None, False, "off") and batch_kinds.windowed(single)
+        # a model refused here is not patched (the patch is in place, for every later engine on it)
+        rows, why_not = (None, None) if windows else make_invariant_batches(model, batch_invariant)
         self.batch_invariant = rows is not None
         self.max_k = rows - 1 if rows else 1 << 30  # the invariance covers passes of k + 1 <= rows tokens
         self.target = Target(model, kv_bits, kv_group_size)
@@ -108,9 +111,8 @@ class BatchEngine(BatchRows, PromptTurn, VerifyPass, Acceptance, Settle):
         self.context_length = context_length
         self.seqs: list[RunningSequence] = []
         self.cache: list[BatchKVCache] = []
-        single = self.target.make_cache()
         self.supported = why_not or batch_kinds.why_not(single, model)  # None, or why this model cannot batch
-        if self.supported is None and self.batch_invariant and batch_kinds.windowed(single):
+        if self.supported is None and windows:
             self.supported = "batch-invariant passes do not cover sliding-window layers yet (--batch-invariant off)"
         if self.supported is None and getattr(drafter, "reads_target_cache", False):
             self.supported = f"the {drafter.name} drafter reads the single-sequence target cache"

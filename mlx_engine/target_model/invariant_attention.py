@@ -125,6 +125,9 @@ def wrap_attention_module(modname: str) -> None:
             kw["sinks"] = sinks
         return original(queries, keys, values, cache=cache, scale=scale, mask=mask, **kw)
 
+    for name in ("_mlx_engine_per_sequence", "_mlx_engine_tree"):  # wrappers installed before stay visible: a
+        if getattr(original, name, False):  # second per-sequence wrapper over this one cut every row's keys twice
+            setattr(scaled_dot_product_attention, name, True)
     scaled_dot_product_attention._mlx_engine_batch_invariant = True
     scaled_dot_product_attention.original = original
     mod.scaled_dot_product_attention = scaled_dot_product_attention
