@@ -72,24 +72,26 @@ def serve_model(flags: list[str]) -> str | None:
 
 def wait_ready(url: str, proc: subprocess.Popen | None, timeout: float, model: str | None = None,
                name: str = "the server") -> str:
-    """Wait until the server answers; -> the model id to send. Ours: /health, which names its model.
-    Given `model` (mlx-lm's server): /v1/models, and `model` itself (mlx-lm serves its --model under it)."""
+    """Wait until the server answers; -> the model id to send. Ours: /health, which names its model. Given
+    `model` (mlx-lm's server, which serves its --model under that name): /health, or /v1/models where an
+    older mlx-lm has no /health (this one's /v1/models logs a traceback without a Hugging Face cache)."""
     import httpx2 as httpx
 
-    path = "/health" if model is None else "/v1/models"
+    paths = ("/health",) if model is None else ("/health", "/v1/models")
     deadline = time.time() + timeout
     while time.time() < deadline:
         if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"{name} exited with status {proc.returncode} before answering {path} "
-                               "(--log FILE keeps its output)")
-        try:
-            r = httpx.get(url + path, timeout=2)
-            if r.status_code == 200:
-                return model or r.json()["model"]
-        except Exception:
-            pass
+            raise RuntimeError(f"{name} exited with status {proc.returncode} before answering "
+                               f"{' or '.join(paths)} (--log FILE keeps its output)")
+        for path in paths:
+            try:
+                r = httpx.get(url + path, timeout=2)
+                if r.status_code == 200:
+                    return model or r.json()["model"]
+            except Exception:
+                pass
         time.sleep(0.5)
-    raise RuntimeError(f"{name} at {url} did not answer {path} in {timeout:.0f} s")
+    raise RuntimeError(f"{name} at {url} did not answer {' or '.join(paths)} in {timeout:.0f} s")
 
 
 class Phase:
@@ -271,18 +273,18 @@ def main(argv: list[str] | None = None) -> int:
             url = f"http://127.0.0.1:{port}"
             servers[name] = (url, wait_ready(url, procs[-1], 300, name=label(name, model)), None)
             print(f"speculation {name}: server with --num-draft {nd} on {url}", flush=True)
-        for name, (url, model, nd) in servers.items():  # the first cycles (lazy set-up) are not measured
-            warm = Phase(url, model, 1, 1, 8, 60, texts[-1:], nd)
+        for name, (url, served, nd) in servers.items():  # the first cycles (lazy set-up) are not measured
+            warm = Phase(url, served, 1, 1, 8, 60, texts[-1:], nd)
             warm.run()
-            if warm.errors:  # e.g. mlx-lm's server answers /v1/models even when its model failed to load
+            if warm.errors:  # e.g. mlx-lm's server answers /health even when its model failed to load
                 raise RuntimeError(f"{label(name, model)} failed its first request: {warm.errors[0]} "
                                    "(--log FILE keeps its output)")
         # the settings alternate per client count, in alternating order, so a machine load that drifts
         # during the run favours neither
         for j, c in enumerate(args.clients):
             for name in (settings if j % 2 == 0 else settings[::-1]):
-                url, model, nd = servers[name]
-                row = Phase(url, model, c, args.requests * c, args.max_tokens, args.phase_time, texts, nd).run()
+                url, served, nd = servers[name]
+                row = Phase(url, served, c, args.requests * c, args.max_tokens, args.phase_time, texts, nd).run()
                 row["speculation"] = name
                 rows.append(row)
                 print(f"  {name:>6}  {c} clients: {row['requests']} requests in {row['seconds']:.1f} s, "
