@@ -56,6 +56,7 @@ from .batch_sequence import Output, RunningSequence, padded
 from .batch_settle import Settle
 from .batch_turn import REMEASURE, PromptTurn
 from .context import check_request
+from .disk_prefix import disk_tier_for
 from .memory import MemoryBudget
 
 
@@ -66,7 +67,8 @@ class BatchEngine(BatchRows, PromptTurn, VerifyPass, Acceptance, Settle):
                  prefill_step: int = 512, prefix_cache_bytes: int = 1 << 30, batched_drafting: bool = True,
                  batch_invariant: bool | str | None = None, context_length: int | None = None,
                  idle_budget: float = 1.0, kv_bits: int | None = None, kv_group_size: int = 64,
-                 memory: MemoryBudget | None = None):
+                 memory: MemoryBudget | None = None, prefix_cache_dir: str | None = None,
+                 prefix_disk_bytes: int = 16 << 30):
         """batch_invariant: every step's rows batch invariant ("kernels" / True; None: as Engine's default),
         so each sequence's tokens equal, bit for bit, that request decoded alone by Engine(batch_invariant=True).
         prefill_step: the largest prefill chunk; prefix_cache_bytes: the prefix tree's budget (0: none);
@@ -74,7 +76,9 @@ class BatchEngine(BatchRows, PromptTurn, VerifyPass, Acceptance, Settle):
         a prefill chunk may take when no sequence is decoding. kv_bits / kv_group_size: the target's KV cache
         quantized (each row's entries, target_model/batch_cache.py), as in Engine (batch invariant by default, prompts
         fed in chunks of at most the contract's rows). memory: a budget (core/memory.py):
-        a request that cannot fit even alone is refused at add(); `can_admit` tells whether one fits now."""
+        a request that cannot fit even alone is refused at add(); `can_admit` tells whether one fits now.
+        prefix_cache_dir: the prefix tree's disk tier (target_model/disk_tier.py) in that folder, within
+        prefix_disk_bytes (None: RAM only)."""
         self.memory = memory
         check_kv_quantization(kv_bits, kv_group_size)
         if batch_invariant is None:  # the device's default; a quantized KV cache: the kernels' mode (Engine says why)
@@ -124,6 +128,9 @@ class BatchEngine(BatchRows, PromptTurn, VerifyPass, Acceptance, Settle):
                                           checkpoints=not self.positional)
         self.prefix_cache = tree
         self.drafter_kept = drafter_prefix.why_not(drafter)  # None: the tree keeps the drafter's state too
+        if tree is not None and prefix_cache_dir is not None:
+            tree.disk = disk_tier_for(model, drafter, kv_bits, kv_group_size, prefix_cache_dir, prefix_disk_bytes,
+                                      checkpoints=not self.positional)
         if self.batch_invariant and kv_bits is not None:  # prompts in covered passes, as in Engine
             prefill_step = min(prefill_step, rows)
         self.prefills = PrefillQueue(self.target, self.want_hidden, tree, prefill_step, idle_budget)
@@ -307,6 +314,10 @@ class BatchEngine(BatchRows, PromptTurn, VerifyPass, Acceptance, Settle):
         cut at their first illegal token."""
         k = plan.k
         plan.drafts = self._drafts(k, plan.ks, k + 1, plan.decoding) if k > 0 else {}
+        for i, d in plan.drafts.items():  # a lookup that found fewer drafts: its padding is not verified
+            real = getattr(d, "n_real", None)  # (known on the host: prompt lookup, suffix; None for a model's)
+            if real is not None and real < plan.ks[i]:
+                plan.ks[i] = plan.asked[i] = real  # (a miss is no rejection: the policy learns from real drafts)
         if plan.constrained:
             plan.on_host = batch_grammar.cut_drafts(self.seqs, plan.decoding, plan.ks, plan.drafts, plan.forced,
                                                     self.confident)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from ..drafters.base import Draft
 from ..target_model import layer_span
 from ..target_model.batch_sequences import idle_rows, real_widths
 from . import batch_grammar
@@ -18,12 +19,23 @@ from .batch_plan import StepPlan
 from .batch_sequence import padded
 
 
+def fit(d: Draft | None, n: int) -> Draft | None:
+    """A draft cut to at most n tokens (the pass is narrower than the step's k when the lookups found fewer
+    drafts: what is cut was the row's padding or beyond its own k)."""
+    if d is None or d.tokens.shape[0] <= n:
+        return d
+    out = Draft(d.tokens[:n], d.probs[:n] if d.probs is not None else None, cut_probs=d.cut_probs,
+                confidence=d.confidence[:n] if d.confidence is not None else None)
+    object.__setattr__(out, "n_real", min(getattr(d, "n_real", n), n))
+    return out
+
+
 class VerifyPass:
     def _pass_tokens(self, plan: StepPlan) -> mx.array:
         """[B, width] token ids of the pass (plan.drafts padded to width - 1 here)."""
         width = plan.width
-        plan.drafts = {i: padded(batch_grammar.first(d, plan.ks[i]) if plan.constrained else d, width - 1,
-                                 self.seqs[i].last) for i, d in plan.drafts.items()}
+        plan.drafts = {i: padded(fit(batch_grammar.first(d, plan.ks[i]) if plan.constrained else d, width - 1),
+                                 width - 1, self.seqs[i].last) for i, d in plan.drafts.items()}
         rows = []
         for i, s in enumerate(self.seqs):
             if plan.idle[i]:
