@@ -486,6 +486,21 @@ MUTANTS = [
            "    start = max(0, n - lq - window + 2)",
            ("tests/test_batch_agent_models.py", "-k", "eight_concurrent and (gpt_oss or gemma4)"),
            "a sliding-window row attends one key fewer than its window"),
+    Mutant("disk-block-key-without-parent", "mlx_engine/target_model/disk_tier.py",
+           "        parent = _hash(parent, tokens[i * block : (i + 1) * block])",
+           "        parent = _hash(root, tokens[i * block : (i + 1) * block])",
+           ("tests/test_prefix_disk.py", "-k", "covers_its_parent"),
+           "a disk block's key covers its own tokens only: another prompt's block read after other tokens"),
+    Mutant("disk-fingerprint-without-weights", "mlx_engine/target_model/fingerprint.py",
+           "    h.update(weights_digest(model).encode())\n",
+           "",
+           ("tests/test_prefix_disk.py", "-k", "weights_change"),
+           "the disk tier's fingerprint leaves out the weights: an updated checkpoint reads the old entries"),
+    Mutant("disk-checksum-not-checked", "mlx_engine/target_model/disk_files.py",
+           "    if zlib.crc32(data) != crc:",
+           "    if False:",
+           ("tests/test_prefix_disk.py", "-k", "damaged and flipped"),
+           "a disk entry's checksum not checked on load: a flipped byte is served"),
 ]
 
 

@@ -124,15 +124,18 @@ class PrefixCache:
     """Radix tree of cached prefixes. Call from one thread (the engine's)."""
 
     def __init__(self, budget_bytes: int, with_hidden: bool = False, min_tokens: int = 16,
-                 checkpoints: bool = False):
+                 checkpoints: bool = False, disk=None):
         """budget_bytes: the most the stored entries may hold (least recently used leaves go first).
         with_hidden: store and return the target hidden rows a drafter reads along with the entries.
         min_tokens: shorter hits are not worth a copy (returned as n = 0). checkpoints: the model has
-        recurrent layers: a hit ends at a checkpoint of their states."""
+        recurrent layers: a hit ends at a checkpoint of their states. disk: a disk tier
+        (target_model/disk_tier.py): what is stored goes to disk too, and a lookup the tree misses is read
+        from there back into the tree."""
         self.budget = int(budget_bytes)
         self.with_hidden = with_hidden
         self.min_tokens = min_tokens
         self.checkpoints = checkpoints
+        self.disk = disk
         self.root = _Node([], [], None, None)
         self.nbytes = 0
         self._tick = 0
@@ -171,8 +174,9 @@ class PrefixCache:
         return path[:end]
 
     def match(self, tokens: list[int]) -> int:
-        """How many leading tokens of `tokens` a hit would restore (nothing copied)."""
-        return sum(m for _, m in self._usable(self._walk(tokens)))
+        """How many leading tokens of `tokens` a hit would restore, from RAM or disk (nothing copied or read)."""
+        ram = sum(m for _, m in self._usable(self._walk(tokens)))
+        return max(ram, self.disk.match(tokens)) if self.disk is not None else ram
 
     def depth(self, tokens: list[int]) -> int:
         """How many leading tokens of `tokens` the tree holds (a checkpoint tree's hit may restore fewer:
@@ -185,6 +189,12 @@ class PrefixCache:
         self.lookups += 1
         path = self._usable(self._walk(tokens))
         n = sum(m for _, m in path)
+        if self.disk is not None and self.disk.match(tokens) > max(n, self.min_tokens - 1):
+            loaded = self.disk.load(tokens)  # read back into the tree, then found there
+            if loaded is not None and loaded.n > n:
+                self._from_disk(tokens, loaded)
+                path = self._usable(self._walk(tokens))
+                n = sum(m for _, m in path)
         if n < self.min_tokens:
             return Hit(0)
         self._tick += 1
@@ -207,6 +217,42 @@ class PrefixCache:
         checkpoint = path[-1][0].checkpoint if self.checkpoints else None
         return Hit(n, layers, hidden, drafter, drafter_n, checkpoint)
 
+    def span(self, tokens: list[int], start: int, end: int):
+        """What the tree holds of tokens[start:end] (lazy slices), for the disk tier: (per-layer states, hidden
+        rows, the drafter's states of the leading positions whose edges have them (or None), the checkpoint
+        after `end` when a node ends there). None when the tree does not hold tokens[:end]."""
+        path = self._walk(tokens[:end])
+        if not path or sum(m for _, m in path) < end:
+            return None
+        layers, hidden, drafter, pos, leading = [], [], [], 0, True
+        for node, m in path:
+            a, b = max(start, pos), min(end, pos + m)
+            if a < b:
+                layers.append([_view(s, a - pos, b - pos) for s in node.layers])
+                if node.hidden is not None:
+                    hidden.append(node.hidden[a - pos : b - pos])
+                leading = leading and node.drafter is not None
+                if leading:
+                    drafter.append([_view(s, a - pos, b - pos) for s in node.drafter])
+            pos += m
+        last, m = path[-1]
+        checkpoint = last.checkpoint if m == len(last.tokens) else None
+        joined = [_concat([p[i] for p in layers]) for i in range(len(layers[0]))]
+        rows = mx.concatenate(hidden) if self.with_hidden and hidden else None
+        kept = [_concat([p[i] for p in drafter]) for i in range(len(drafter[0]))] if drafter else None
+        return joined, rows, kept, checkpoint
+
+    def _from_disk(self, tokens: list[int], loaded) -> None:
+        """A disk tier's load of tokens[:loaded.n] into the tree (its arrays are new: kept, not copied)."""
+        n = loaded.n
+        if loaded.drafter is not None and loaded.drafter_n:
+            d = loaded.drafter_n
+            self._insert(tokens[:d], loaded.layers, loaded.hidden[:d] if loaded.hidden is not None else None,
+                         False, loaded.drafter)
+        self._insert(tokens[:n], loaded.layers, loaded.hidden, False, None)
+        if loaded.checkpoint is not None:
+            self._checkpoint(tokens[:n], loaded.checkpoint, False)
+
     # -- writing -----------------------------------------------------------------------------------------
     def insert(self, tokens: list[int], layers: list, hidden: mx.array | None = None, copy: bool = True,
                drafter: list | None = None, checkpoint: list | None = None) -> int:
@@ -222,6 +268,8 @@ class PrefixCache:
         stored = self._insert(tokens, layers, hidden, copy, drafter)
         if checkpoint is not None and tokens:
             self._checkpoint(tokens, checkpoint, copy)
+        if self.disk is not None and tokens:
+            self.disk.offer(self, tokens)
         return stored
 
     def _checkpoint(self, tokens: list[int], states: list, copy: bool) -> None:
@@ -333,4 +381,6 @@ class PrefixCache:
                "hits": self.hits, "hit_tokens": self.hit_tokens, "evicted_tokens": self.evicted_tokens}
         if self.checkpoints:
             out["checkpoints"] = self.checkpoint_count
+        if self.disk is not None:
+            out["disk"] = self.disk.status()
         return out
