@@ -9,7 +9,7 @@ import math
 
 import mlx_engine  # noqa: F401  (OpenBLAS before mlx)
 from mlx_engine.args import ArgumentParser, count
-from mlx_engine.prepare import add_memory_args
+from mlx_engine.prepare import add_disk_args, add_memory_args
 
 from .settings import DRAFTERS, Settings, settings_path
 
@@ -51,6 +51,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--mtp-weights", help="the MTP head for an mtp drafter (ngram+mtp, mtp): a safetensors file, a folder "
                                         "with an index + head shards, or hub:OWNER/NAME (only the head's shards fetched)")
     add_memory_args(p)
+    add_disk_args(p)  # (a prompt of an earlier session, a long system prompt, starts from disk)
     p.add_argument("--no-save", action="store_true", help="do not write settings.json")
     p.add_argument("--reset", action="store_true", help="ignore the saved settings (start from the defaults)")
     return p
@@ -91,7 +92,8 @@ def build_app(argv=None):
         settings.max_tokens = max(1, args.max_tokens)
     settings.__post_init__()
     engine = EngineOptions(kv_bits=args.kv_bits, kv_group_size=args.kv_group_size, draft_kv_bits=args.draft_kv_bits,
-                           max_memory=args.max_memory)
+                           max_memory=args.max_memory, prefix_cache_dir=args.prefix_cache_dir,
+                           prefix_disk_bytes=args.prefix_cache_disk)
     return ChatApp(settings, AppOptions(model=args.model, save_settings=not args.no_save, engine=engine))
 
 

@@ -30,6 +30,7 @@ from .chat_text import PieceDecoder, decode, encode_chat
 from .speedup import prompt_key
 
 PREFILL_BAR_MIN = 1024  # prompts at least this long report their prefill chunk by chunk (a progress bar)
+PROMPT_CACHE_BYTES = 1 << 30  # the RAM prefix tree in front of the disk tier
 
 
 class NoModel(Exception):
@@ -108,6 +109,8 @@ class EngineOptions:
     kv_group_size: int = 64
     draft_kv_bits: int | None = None
     max_memory: int | None = None  # bytes; None: MLX's memory limit
+    prefix_cache_dir: str | None = None  # the prefix cache's disk tier (None: none, and no prefix tree)
+    prefix_disk_bytes: int | None = None
 
 
 @dataclass
@@ -173,6 +176,8 @@ class EngineWorker:
         self._queue.put(("quit", None))
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout)
+        if getattr(self, "engine", None) is not None:  # what the disk tier has queued is written before the exit
+            self.engine.flush_prefix_disk(timeout=10.0)
 
     # -- the worker thread ---------------------------------------------------------------------------
     def _run(self) -> None:
@@ -238,7 +243,10 @@ class EngineWorker:
         if why_not and o.draft_kv_bits is not None:
             warning = (warning + "; " if warning else "") + f"--draft-kv-bits not applied: {why_not}"
         try:  # built with its drafter (the policy gets the drafter's settings), the context window and memory it checks
-            engine = Engine(loaded.model, drafter, context_length=context, kv_bits=o.kv_bits, kv_group_size=o.kv_group_size)
+            disk = dict(prefix_cache_bytes=PROMPT_CACHE_BYTES, prefix_cache_dir=o.prefix_cache_dir,
+                        prefix_disk_bytes=o.prefix_disk_bytes) if o.prefix_cache_dir else {}
+            engine = Engine(loaded.model, drafter, context_length=context, kv_bits=o.kv_bits, kv_group_size=o.kv_group_size,
+                            **disk)
             engine.memory = plan(loaded.model, drafter, engine.target, o.max_memory, what=model_name(str(path)))
             engine.memory.check_load()
         except ValueError as e:  # a KV quantization the model cannot take, weights over the memory budget

@@ -30,6 +30,9 @@ def main(argv: list[str] | None = None) -> int:
 
     add_serve_args(sub.add_parser("serve", help="an OpenAI-compatible HTTP server with speculative decoding, "
                                                 "several clients decoded together (see --help)"))
+    from .cache_command import add_cache_args
+
+    add_cache_args(sub.add_parser("cache", help="list or clear the prefix cache's entries on disk"))
     sub.add_parser("train-mtp", help="train an MTP head for a model that ships none (see --help)", add_help=False)
     sub.add_parser("train-eagle3", help="train an EAGLE-3 head for a model (see --help)", add_help=False)
     sub.add_parser("train-dflash", help="train a DFlash block drafter for a model (see --help)", add_help=False)
@@ -59,6 +62,10 @@ def main(argv: list[str] | None = None) -> int:
             from .serve.main import run_serve
 
             return run_serve(args)
+        if args.command == "cache":
+            from .cache_command import run_cache
+
+            return run_cache(args)
     except cli.ERRORS as e:
         return cli.report_error(e)
     except KeyboardInterrupt:  # Ctrl-C: what was generated stays printed; no traceback

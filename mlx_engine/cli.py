@@ -12,7 +12,7 @@ from .core.engine import Engine, GenerationConfig
 from .core.memory import plan
 from .drafters.base import quantize_kv
 from .models import ModelLoadError
-from .prepare import (UsageError, add_memory_args, grammar_of, load_within_budget, make_drafter,  # noqa: F401
+from .prepare import (UsageError, add_disk_args, add_memory_args, grammar_of, load_within_budget, make_drafter,  # noqa: F401
                       parse_num_draft)
 from .sampling import SamplingConfig
 
@@ -74,6 +74,7 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
                         "...` (mlx-lm's sharded loading): pipeline (stages of layers) or tensor (every matrix split); "
                         "rank 0 drafts, decides and prints")
     add_memory_args(p)
+    add_disk_args(p, default_on=False)
 
 
 def parse_prompt_tokens(text: str) -> list[int]:
@@ -137,9 +138,11 @@ def build(args):
     )
     try:
         make_engine = getattr(loaded, "engine_class", Engine)  # sharded: a DistributedEngine over its group
+        disk = dict(prefix_cache_bytes=PROMPT_CACHE_BYTES, prefix_cache_dir=args.prefix_cache_dir,
+                    prefix_disk_bytes=args.prefix_cache_disk) if args.prefix_cache_dir else {}
         engine = make_engine(loaded.model, drafter, batch_invariant=args.batch_invariant,
                              context_length=loaded.context_length, kv_bits=args.kv_bits,
-                             kv_group_size=args.kv_group_size)
+                             kv_group_size=args.kv_group_size, **disk)
         engine.memory = plan(loaded.model, drafter, engine.target, args.max_memory, what=loaded.path.name)
         engine.memory.check_load()
         engine.memory.check_sequence(len(prompt) + args.max_tokens)
@@ -177,6 +180,9 @@ class PrefillBar:
             self.bar = None
 
 
+PROMPT_CACHE_BYTES = 1 << 30  # generate --prefix-cache-dir: the RAM tree in front of the disk tier
+
+
 def run_generate(args) -> int:
     loaded, engine, prompt, config = build(args)
     tokenizer = loaded.tokenizer
@@ -193,6 +199,7 @@ def run_generate(args) -> int:
                 detok.add_token(t)
             print(detok.last_segment, end="", flush=True)
     detok.finalize()
+    engine.flush_prefix_disk()  # (the prompt's entries written before the process ends)
     stats = engine.stats
     if args.json:
         out = {"tokens": tokens, "text": text.decode(tokenizer, tokens, special), "stats": stats.to_dict()}

@@ -52,6 +52,22 @@ def add_memory_args(p: argparse.ArgumentParser, prefix_cache: bool = False) -> N
         p.add_argument("--prefix-cache", type=size_or_zero, default=None, metavar="SIZE",
                        help="memory for cached prompt prefixes shared across requests (default: a tenth of the "
                             "memory budget; 0 = off)")
+        add_disk_args(p)
+
+
+def add_disk_args(p: argparse.ArgumentParser, default_on: bool = True) -> None:
+    """The prefix cache's disk tier: --prefix-cache-dir, --no-prefix-cache-dir, --prefix-cache-disk."""
+    from .core.disk_prefix import default_folder
+
+    p.add_argument("--prefix-cache-dir", default=str(default_folder()) if default_on else None, metavar="DIR",
+                   help="keep cached prompt prefixes on disk too, in DIR, so a restart does not prefill an agent's "
+                        f"prompt again (default: {default_folder()}"
+                        f"{'' if default_on else ', with this flag'}; MLX_ENGINE_CACHE_DIR moves it)")
+    p.add_argument("--no-prefix-cache-dir", dest="prefix_cache_dir", action="store_const", const=None,
+                   help="keep cached prefixes in RAM only")
+    p.add_argument("--prefix-cache-disk", type=size, default=None, metavar="SIZE",
+                   help="bytes the prefix cache may keep on disk, least recently used first (default 16 GiB, at "
+                        "most a quarter of the disk's free space at start)")
 
 
 def parse_num_draft(text) -> int | str:

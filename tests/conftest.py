@@ -6,6 +6,12 @@ from pathlib import Path
 # ~1e-3 relative error); must be set before mlx is imported
 os.environ.setdefault("MLX_ENABLE_TF32", "0")
 
+import tempfile  # noqa: E402
+
+# the prefix cache's disk tier (on by default for `serve`) writes into a folder of this test session's own,
+# never the user's cache folder
+os.environ.setdefault("MLX_ENGINE_CACHE_DIR", tempfile.mkdtemp(prefix="mlx-engine-test-cache-"))
+
 import pytest  # noqa: E402
 
 import mlx_engine  # noqa: E402,F401  (loads OpenBLAS before mlx)

@@ -268,3 +268,23 @@ def test_a_quantized_kv_cache_restores_from_disk(tmp_path):
     got, stats = served(after, "b", nxt)
     cold, _ = served(BatchEngine(model, None, num_draft=2, prefix_cache_bytes=0, **kv), "b", nxt)
     assert got == cold and stats["reused_prompt_tokens"] == len(first) + len(answer) - 1
+
+
+def test_generate_with_a_prefix_cache_dir_starts_the_next_run_from_disk(tmp_path, capsys):
+    """`generate --prefix-cache-dir DIR` (opt-in for a one-shot command): the next process with the same long
+    prompt restores it (reused tokens in --json's stats) and prints the same tokens."""
+    import json
+
+    from mlx_engine.__main__ import main
+    from model_dirs import save_tiny
+
+    folder = save_tiny(tmp_path / "llama", "llama", seed=2)
+    ids = ",".join(str(t) for t in prompt_of(300, vocab=300))
+    argv = ["generate", "--model", str(folder), "--prompt-tokens", ids, "--max-tokens", "6", "--json",
+            "--prefix-cache-dir", str(tmp_path / "cache")]
+    runs = []
+    for _ in range(2):
+        assert main(argv) == 0
+        runs.append(json.loads(capsys.readouterr().out.strip().splitlines()[-1]))
+    assert runs[0]["tokens"] == runs[1]["tokens"]
+    assert runs[0]["stats"]["reused_tokens"] == 0 and runs[1]["stats"]["reused_tokens"] == 299

@@ -68,7 +68,7 @@ class BatchEngine(BatchRows, PromptTurn, VerifyPass, Acceptance, Settle):
                  batch_invariant: bool | str | None = None, context_length: int | None = None,
                  idle_budget: float = 1.0, kv_bits: int | None = None, kv_group_size: int = 64,
                  memory: MemoryBudget | None = None, prefix_cache_dir: str | None = None,
-                 prefix_disk_bytes: int = 16 << 30):
+                 prefix_disk_bytes: int | None = None):
         """batch_invariant: every step's rows batch invariant ("kernels" / True; None: as Engine's default),
         so each sequence's tokens equal, bit for bit, that request decoded alone by Engine(batch_invariant=True).
         prefill_step: the largest prefill chunk; prefix_cache_bytes: the prefix tree's budget (0: none);
@@ -77,8 +77,8 @@ class BatchEngine(BatchRows, PromptTurn, VerifyPass, Acceptance, Settle):
         quantized (each row's entries, target_model/batch_cache.py), as in Engine (batch invariant by default, prompts
         fed in chunks of at most the contract's rows). memory: a budget (core/memory.py):
         a request that cannot fit even alone is refused at add(); `can_admit` tells whether one fits now.
-        prefix_cache_dir: the prefix tree's disk tier (target_model/disk_tier.py) in that folder, within
-        prefix_disk_bytes (None: RAM only)."""
+        prefix_cache_dir: the prefix tree's disk tier (target_model/disk_tier.py) in that folder (None: RAM
+        only), within prefix_disk_bytes (None: core/disk_prefix.py's default)."""
         self.memory = memory
         check_kv_quantization(kv_bits, kv_group_size)
         if batch_invariant is None:  # the device's default; a quantized KV cache: the kernels' mode (Engine says why)

@@ -33,6 +33,7 @@ from . import invariance_default, members
 from .confidence import CONFIDENT, confident_prefix
 from .context import check_request
 from .held_cache import HeldCache
+from .disk_prefix import disk_tier_for
 from .memory import MemoryBudget
 from .policy import AdaptivePolicy
 from ..sampling import (SamplingConfig, TokenLogprob, check_logprobs, host_logprobs, logprob_rows, probabilities,
@@ -98,6 +99,7 @@ class Engine:
         batch_invariant: bool | str | None = None, context_length: int | None = None,
         prefix_cache_bytes: int = 0, kv_bits: int | None = None, kv_group_size: int = 64,
         memory: MemoryBudget | None = None, prefix_tree: PrefixCache | None = None,
+        prefix_cache_dir: str | None = None, prefix_disk_bytes: int | None = None,
     ):
         """max_draft: the longest draft the adaptive policy tries (None: the drafter's own, else 8).
         batch_invariant: decode (plain and verify) batch invariant, so speculative output equals plain output
@@ -108,7 +110,8 @@ class Engine:
         prefix_cache_bytes: > 0 keeps a prefix tree of that size (target_model/prefix_cache.py) that prompts of other
         conversations start from, filled after each generation (`held.prefix_cache_off` says why a model's
         cache cannot be kept by prefix); prefix_tree: a tree shared with other engines instead (one that keeps
-        hidden rows serves engines that read none as well).
+        hidden rows serves engines that read none as well). prefix_cache_dir: the tree's disk tier in that folder
+        (core/disk_prefix.py; prefix_disk_bytes its budget): a prompt of an earlier process starts from it.
         kv_bits / kv_group_size: the target's KV cache quantized (target_model/cache.py), batch invariant by default
         and its prompt fed in passes of at most max_rows tokens: a float-level difference in a key flips its
         code (README, Long contexts); batch_invariant=False: stock passes (not lossless with such a cache).
@@ -137,6 +140,8 @@ class Engine:
         tree = prefix_tree or (PrefixCache(prefix_cache_bytes, with_hidden=hidden_request(drafter) is not None)
                                if prefix_cache_bytes > 0 else None)
         self.held = HeldCache(self.target, tree)  # the target cache and exactly the tokens it holds
+        if self.held.prefix_cache is not None and prefix_cache_dir is not None and tree.disk is None:
+            tree.disk = disk_tier_for(model, drafter, kv_bits, kv_group_size, prefix_cache_dir, prefix_disk_bytes)
         if self.batch_invariant and kv_bits is not None:  # the prompt's codes too as token-by-token decoding's
             self.held.largest_chunk = self.max_rows
         self.trees = Trees(self)  # token-tree drafts (core/tree_verify.py); `trees.off` says why not
@@ -223,6 +228,12 @@ class Engine:
         if self._matcher is not None:
             self.stats.grammar_seconds = self._matcher.seconds
         return tokens, stopped
+
+    def flush_prefix_disk(self, timeout: float = 60.0) -> None:
+        """Wait until what the prefix tree queued for its disk tier is written (a command about to exit)."""
+        tree = self.held.prefix_cache
+        if tree is not None and tree.disk is not None:
+            tree.disk.flush(timeout)
 
     def generate(self, prompt: list[int], config: GenerationConfig | None = None) -> Iterator[Step]:
         """Yield one Step per cycle (the first holds the token sampled after the prompt).

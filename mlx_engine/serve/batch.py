@@ -31,8 +31,8 @@ class BatchWorker(WorkerBase):
                 # every model's rows verify chains: a tree drafter (suffix, mtp-tree) drafts its best path here;
                 # token trees run in the single-sequence engine (--batching fair)
                 "drafts": "chains",
-                "prefix_cache": {**tree.status(), "drafter_state": drafter_state, "reuse": self.engine.reuse()}
-                if tree is not None else None,
+                "prefix_cache": {**tree.status(), "drafter_state": drafter_state, "reuse": self.engine.reuse(),
+                                 "tiers": self.prefix_figures} if tree is not None else None,
                 "waiting_for_memory": self._held is not None,
                 "step_costs": {str(b): {str(k): round(t, 4) for k, t in c.items()}
                                for b, c in self.engine.policy.costs().items()}}
@@ -57,6 +57,7 @@ class BatchWorker(WorkerBase):
                     self.fail(out.job, e)
         self.running = len(self.active)
         self.kv_bytes = self.engine.kv_bytes()
+        self.sample_prefix(self.engine.prefix_cache)
         # prompts still being prefilled (a chunk per step): /health, /metrics and a log line per long one
         self.progress.replace([{**p, "id": self._name(p["id"])} for p in self.engine.prefilling()])
 

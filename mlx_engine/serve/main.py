@@ -115,7 +115,8 @@ def build_service(args):
     except ValueError as e:  # a KV quantization the model cannot take, weights over the budget
         raise UsageError(str(e)) from None
     memory = dict(kv_bits=args.kv_bits, kv_group_size=args.kv_group_size, context_length=context_length(loaded.config),
-                  memory=budget, prefix_cache_bytes=tree)
+                  memory=budget, prefix_cache_bytes=tree, prefix_cache_dir=args.prefix_cache_dir,
+                  prefix_disk_bytes=args.prefix_cache_disk)
     common = dict(max_queue=args.max_queue, num_draft=num_draft)
     worker = None
     why = "--batching fair" if args.batching == "fair" else \
@@ -161,7 +162,10 @@ def cache_line(status: dict) -> str:
     if tree is None:
         return f"layers {layers}; no prefix cache"
     kept = tree.get("reuse", "entries")
-    return f"layers {layers}; prefix cache {tree['budget_bytes'] / 2**30:.2f} GiB ({kept})"
+    disk = tree.get("disk")
+    on_disk = (f", on disk {disk['folder']} within {disk['budget_bytes'] / 2**30:.1f} GiB ({disk['entries']} entries, "
+               f"{disk['bytes'] / 2**30:.2f} GiB now)") if disk else ", RAM only"
+    return f"layers {layers}; prefix cache {tree['budget_bytes'] / 2**30:.2f} GiB ({kept}){on_disk}"
 
 
 def memory_plan(loaded, drafter, args):

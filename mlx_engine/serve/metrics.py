@@ -41,6 +41,22 @@ class _Snapshot:
                                                "of prompts being prefilled)", s["prefill_pending_tokens"])
         yield _gauge("kv_cache_bytes", "bytes held by the engine's KV caches (0 where the engine cannot say)",
                      s["kv_bytes"])
+        tree = s.get("prefix_cache") or {}
+        if tree:
+            hits = CounterMetricFamily("mlx_engine_prefix_cache_hits", "prompts started from the prefix cache, by "
+                                       "the tier they were found in", labels=["tier"])
+            tokens = CounterMetricFamily("mlx_engine_prefix_cache_hit_tokens", "prompt tokens restored from the "
+                                         "prefix cache instead of prefilled, by tier", labels=["tier"])
+            for tier in ("ram", "disk"):
+                hits.add_metric([tier], tree.get(f"{tier}_hits", 0))
+                tokens.add_metric([tier], tree.get(f"{tier}_hit_tokens", 0))
+            yield hits
+            yield tokens
+            yield _gauge("prefix_cache_bytes", "bytes the prefix cache holds in RAM", tree.get("ram_bytes", 0))
+            yield _gauge("prefix_cache_disk_bytes", "bytes the prefix cache holds on disk", tree.get("disk_bytes", 0))
+            yield _counter("prefix_cache_disk_load_seconds", "seconds spent reading prefix cache entries from disk "
+                                                             "(counted in those prompts' prefill)",
+                           tree.get("disk_load_seconds", 0.0))
 
 
 def _gauge(name: str, doc: str, value) -> GaugeMetricFamily:

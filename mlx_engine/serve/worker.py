@@ -39,6 +39,7 @@ class WorkerBase:
         self.running = 0
         self.admitted = 0  # requests in: queued, being prefilled or decoded (the HTTP side's 503 reads it)
         self.kv_bytes = 0  # sampled by the engine thread (an MLX call stays on it)
+        self.prefix_figures: dict = {}  # the prefix cache's counters per tier, sampled by the engine thread
         self.progress = PrefillProgress()  # prompts being prefilled: /health, /metrics, the log
         self.metrics = ServeMetrics(self.metrics_snapshot)
         self._lock = threading.Lock()
@@ -77,7 +78,18 @@ class WorkerBase:
         with self.queue.mutex:  # prompts still in the queue: none of their tokens is prefilled yet
             waiting = sum(len(j.request.prompt) for j in self.queue.queue if not j.cancelled)
         return {"queued": self.queue.qsize(), "running": self.running, **self.counts, **self.draft_totals,
-                "prefill_pending_tokens": waiting + self.progress.pending_tokens(), "kv_bytes": self.kv_bytes}
+                "prefill_pending_tokens": waiting + self.progress.pending_tokens(), "kv_bytes": self.kv_bytes,
+                "prefix_cache": self.prefix_figures}
+
+    def sample_prefix(self, tree) -> None:
+        """The prefix cache's counters per tier, as plain values (the engine thread's call)."""
+        if tree is None:
+            return
+        disk = tree.disk.status() if tree.disk is not None else {}
+        self.prefix_figures = {
+            "ram_hits": tree.hits - disk.get("hits", 0), "ram_hit_tokens": tree.hit_tokens - disk.get("hit_tokens", 0),
+            "disk_hits": disk.get("hits", 0), "disk_hit_tokens": disk.get("hit_tokens", 0), "ram_bytes": tree.nbytes,
+            "disk_bytes": disk.get("bytes", 0), "disk_load_seconds": disk.get("load_seconds", 0.0)}
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._main, name="mlx-engine", daemon=True)
@@ -87,6 +99,10 @@ class WorkerBase:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=30)
+        engine = getattr(self, "engine", None)
+        tree = getattr(engine, "prefix_cache", None) or getattr(getattr(engine, "held", None), "prefix_cache", None)
+        if tree is not None and tree.disk is not None:  # what is queued for the disk tier goes there first
+            tree.disk.flush(timeout=30)
 
     # -- engine thread ---------------------------------------------------------------------------
     def _main(self) -> None:
@@ -157,7 +173,8 @@ class FairQueueWorker(WorkerBase):
     def status(self) -> dict:
         target = getattr(self.engine, "target", None)
         layers = batch_kinds.count(target.make_cache()) if target is not None else None
-        return {**super().status(), "why_fair_queue": self.why, "layers": layers}
+        return {**super().status(), "why_fair_queue": self.why, "layers": layers,
+                "prefix_cache": self.prefix_figures or None}
 
     def loop_once(self) -> None:
         job = self.next_job(0.1)
@@ -171,6 +188,7 @@ class FairQueueWorker(WorkerBase):
         finally:
             self.running, self.current = 0, None
             self.kv_bytes = self.engine.kv_bytes()
+            self.sample_prefix(getattr(getattr(self.engine, "held", None), "prefix_cache", None))
 
     def abort_running(self, message: str) -> None:
         if self.current is not None:
