@@ -1,10 +1,12 @@
 """The prefix cache's files on disk: one safetensors file an entry, written so that no reader ever sees half
 of one, checked on every read.
 
-Why safetensors (the `safetensors` package, numpy side): the format MLX and every model loader read, a
-JSON header with string metadata beside raw little-endian tensors, no code execution on load (pickle would),
-and a file any safetensors tool can open to see what is cached. The numpy API is used from the writer
-thread, which never touches MLX (an MLX call is the engine thread's alone).
+Why safetensors: the format MLX and every model loader read, a JSON header with string metadata beside raw
+little-endian tensors, no code execution on load (pickle would), and a file any safetensors tool (the
+`safetensors` package, MLX's mx.load) can open to see what is cached. Its layout is written and read here
+directly rather than through the package: the writer thread streams each array from its own memory (the
+buffer protocol: no MLX call, no copy) and a reader maps the file (np.frombuffer over the mapping), where the
+package's save and load each made a copy of every array (a load ran at ~1 GB/s against dd's ~3 here).
 
     KIND-KEY-CRC.safetensors     KIND "b" (a block), "t" (a tail), "bc" / "tc" (one that holds a recurrent
                                  checkpoint at its end), KEY the entry's content key, CRC the zlib.crc32 of
@@ -65,24 +67,37 @@ def private_dir(path: Path) -> Path:
     return path
 
 
-def encode(arrays: dict[str, np.ndarray], metadata: dict[str, str]) -> bytes:
-    from safetensors.numpy import save
-
-    return save(arrays, metadata=metadata)
-
-
-def write_atomic(folder: Path, kind: str, key: str, data: bytes) -> Path:
-    """`data` as entry (kind, key) in `folder`: a temporary file, fsynced, renamed. -> its final path."""
-    crc = zlib.crc32(data)
+def write_atomic(folder: Path, kind: str, key: str, arrays: dict, metadata: dict[str, str]) -> tuple[Path, int]:
+    """Entry (kind, key) in `folder`, its arrays (anything with the buffer protocol, C-contiguous: MLX arrays are
+    read in place, no copy) and metadata in safetensors' layout: a temporary file, fsynced, renamed.
+    -> (its final path, its bytes)."""
+    header: dict = {"__metadata__": metadata}
+    views, offset = [], 0
+    for name in sorted(arrays):
+        view = memoryview(arrays[name])
+        if not view.c_contiguous:
+            raise ValueError(f"{name}: not C-contiguous")
+        header[name] = {"dtype": CODES[np.dtype(view.format)], "shape": list(view.shape),
+                        "data_offsets": [offset, offset + view.nbytes]}
+        views.append(view.cast("B"))
+        offset += view.nbytes
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)  # (the data 8-byte aligned, as safetensors writes it)
+    prefix = struct.pack("<Q", len(head)) + head
+    crc = zlib.crc32(prefix)
+    for v in views:
+        crc = zlib.crc32(v, crc)
     fd, tmp = tempfile.mkstemp(prefix=TMP_PREFIX, dir=folder)  # (mkstemp: 0600)
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(data)
+            f.write(prefix)
+            for v in views:
+                f.write(v)
             f.flush()
             os.fsync(f.fileno())
         final = folder / entry_name(kind, key, crc)
         os.replace(tmp, final)
-        return final
+        return final, len(prefix) + offset
     except BaseException:
         try:
             os.unlink(tmp)
@@ -91,17 +106,40 @@ def write_atomic(folder: Path, kind: str, key: str, data: bytes) -> Path:
         raise
 
 
-def read_checked(path: Path, crc: int) -> tuple[dict[str, np.ndarray], dict[str, str]]:
-    """The entry's arrays and metadata, after its CRC matched (CorruptEntry otherwise)."""
-    from safetensors.numpy import load
+DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "I64": np.int64, "I32": np.int32,
+          "I16": np.int16, "I8": np.int8, "U64": np.uint64, "U32": np.uint32, "U16": np.uint16, "U8": np.uint8,
+          "BOOL": np.bool_}
+CODES = {np.dtype(t): code for code, t in DTYPES.items()}
 
-    data = path.read_bytes()
+
+def read_checked(path: Path, crc: int) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    """The entry's arrays and metadata, after its CRC matched (CorruptEntry otherwise). The file is mapped, not
+    read into a copy: its arrays are views of the page cache (np.frombuffer over the mapping), so a load costs
+    the CRC's pass and the one copy its caller makes of each array (safetensors' own loader copies each
+    array first: measured here, a load ran at ~1 GB/s against dd's ~3 from the page cache)."""
+    import mmap
+
+    try:
+        with open(path, "rb") as f:
+            data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    except ValueError:  # an empty file cannot be mapped
+        raise CorruptEntry(f"{path.name}: empty") from None
     if zlib.crc32(data) != crc:
         raise CorruptEntry(f"{path.name}: checksum mismatch ({len(data)} bytes)")
     try:
-        return load(data), header(data)
+        (n,) = struct.unpack("<Q", data[:8])
+        head = json.loads(data[8 : 8 + n])
+        base = 8 + n
+        arrays = {}
+        for name, info in head.items():
+            if name == "__metadata__":
+                continue
+            start, end = info["data_offsets"]
+            dtype = np.dtype(DTYPES[info["dtype"]])
+            arrays[name] = np.frombuffer(data, dtype, (end - start) // dtype.itemsize, base + start).reshape(info["shape"])
+        return arrays, head.get("__metadata__", {})
     except Exception as e:  # a file whose CRC matches but is no safetensors file of ours
-        raise CorruptEntry(f"{path.name}: {e}") from None
+        raise CorruptEntry(f"{path.name}: {type(e).__name__}: {e}") from None
 
 
 def header(data: bytes) -> dict[str, str]:

@@ -8,13 +8,16 @@ Entries are keyed by content, in blocks of BLOCK tokens chained from the fingerp
     key(block 0) = H(fingerprint, tokens[0:B]),  key(block i) = H(key(block i-1), tokens[iB:(i+1)B])
 
 so a block's key covers every token before it, and an updated model or another drafter never reads them. A
-sequence's last, partial block is a TAIL keyed H(key of the block before it, "tail", its tokens), whose own
-tokens are in its file's metadata (read at start): reuse is exact to the token, not to a block. An entry
+sequence's last, partial block is a TAIL keyed H(key of the block before it, "tail", its tokens). Every entry's
+file names its parent's key and holds its own tokens (read at start), so the index knows each key's children:
+reuse is exact to the token, not to a block (a prompt that parts from an entry inside it takes the entry's
+shared positions, where the cache is positional; a hybrid takes whole entries ending at a checkpoint). An entry
 holds its positions' layer entries (each positional layer's keys and values: a sliding window's too; MLA's
 latents), the hidden rows a drafter reads, the drafter's own entries where the tree had them, and for a
 hybrid the recurrent states after its last token where the tree holds a checkpoint there (a "bc" / "tc"
 entry). A lookup takes the chain of blocks the prompt matches, then the longest tail under one of them
-whose tokens it starts with; a hybrid's stops at the deepest entry holding a checkpoint.
+(or block) under one of them sharing the most tokens with it; a hybrid's stops at the deepest entry holding a
+checkpoint.
 
 Writes: `offer` (the engine thread, after the RAM tree stored a sequence) picks the entries not on disk yet,
 cuts their arrays out of the tree (lazy slices, started on the device at once) and queues them; a writer
@@ -22,7 +25,7 @@ thread turns them into files (target_model/disk_files.py: atomic, checksummed, 0
 within its byte budget, least recently used first. The decode never waits for the disk. A write that fails
 (a full disk, a folder that refuses writes) turns the writes off with one warning: the RAM tree serves on.
 Loads run on the engine thread, timed (`load_seconds`), and the engine counts them as the prompt's prefill.
-A restart rebuilds the index from the files' names (and the tails' headers).
+A restart rebuilds the index from the files (their names, and the parent key and tokens in each header).
 """
 
 from __future__ import annotations
@@ -39,7 +42,6 @@ from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
-from mlx.utils import tree_map
 
 from .. import host
 from . import disk_files as files
@@ -75,8 +77,8 @@ class Entry:
     path: Path
     nbytes: int
     used: float  # the last use (its file's mtime): least recently used go first
-    parent: str = ""  # a tail's: the key of the block before it (or the fingerprint)
-    tokens: list[int] = field(default_factory=list)  # a tail's own tokens
+    parent: str = ""  # the key of the block before it (or the fingerprint)
+    tokens: list[int] = field(default_factory=list)  # its own tokens
 
     @property
     def checkpoint(self) -> bool:
@@ -84,17 +86,38 @@ class Entry:
 
 
 @dataclass
-class Loaded:
-    """What a load restores: the first n tokens' positional layer states, hidden rows, drafter states (of
-    the first drafter_n), and the recurrent checkpoint after the n (a hybrid's)."""
+class Piece:
+    """One entry's share of a load: positions start..end (of the prompt), their per-layer states, hidden rows,
+    and the drafter's states of the first `drafter_n` of them (none: 0)."""
 
-    n: int
+    start: int
+    end: int
     layers: list
     hidden: mx.array | None
     drafter: list | None
     drafter_n: int
+
+
+@dataclass
+class Loaded:
+    """What a load restores: its pieces in token order (n positions in all), the recurrent checkpoint after the
+    n (a hybrid's), and the seconds it took. An entry's arrays are kept as they were read, never joined: the
+    prefix tree takes each as an edge of its own (one copy from the page cache in all)."""
+
+    n: int
+    pieces: list[Piece]
     checkpoint: list | None
     seconds: float
+
+    @property
+    def drafter_n(self) -> int:
+        """Positions from the start whose drafter states the load holds."""
+        n = 0
+        for p in self.pieces:
+            n += p.drafter_n
+            if p.drafter_n < p.end - p.start:
+                break
+        return n
 
 
 def _flatten(states: list, prefix: str, out: dict) -> list:
@@ -130,8 +153,8 @@ class DiskTier:
         self.checkpoints = checkpoints
         self.block = block
         self.lock = threading.Lock()
-        self.blocks: dict[str, Entry] = {}
-        self.tails: dict[str, list[Entry]] = {}  # parent key -> tails under it
+        self.blocks: dict[str, Entry] = {}  # a block's key -> it
+        self.children: dict[str, list[Entry]] = {}  # a key -> the entries (blocks and tails) after it
         self.pending: set[str] = set()
         self.writable: str | None = None  # None: writes on; else why they stopped
         self.hits = self.hit_tokens = self.loads = self.written = self.dropped = self.evicted = 0
@@ -152,7 +175,7 @@ class DiskTier:
 
     # -- the index --------------------------------------------------------------------------------------
     def _index(self) -> None:
-        """The entries on disk, from their names (and the tails' headers); unreadable ones are dropped."""
+        """The entries on disk, from their names and headers; unreadable ones are dropped."""
         try:
             names = list(self.folder.iterdir())
         except OSError:
@@ -165,9 +188,8 @@ class DiskTier:
             try:
                 st = path.stat()
                 entry = Entry(kind, key, crc, path, st.st_size, st.st_mtime)
-                if kind.startswith("t"):
-                    meta = files.read_header(path)
-                    entry.parent, entry.tokens = meta["parent"], json.loads(meta["tokens"])
+                meta = files.read_header(path)
+                entry.parent, entry.tokens = meta["parent"], json.loads(meta["tokens"])
             except (OSError, KeyError, ValueError):
                 self._drop_file(path)
                 continue
@@ -175,15 +197,13 @@ class DiskTier:
 
     def _add(self, e: Entry) -> None:
         with self.lock:
+            children = self.children.setdefault(e.parent, [])
+            old = next((t for t in children if t.key == e.key), None)
+            if old is not None:
+                children.remove(old)
+            children.append(e)
             if e.kind.startswith("b"):
-                old = self.blocks.get(e.key)
                 self.blocks[e.key] = e
-            else:
-                tails = self.tails.setdefault(e.parent, [])
-                old = next((t for t in tails if t.key == e.key), None)
-                if old is not None:
-                    tails.remove(old)
-                tails.append(e)
         if old is not None and old.path != e.path:  # one key written twice (two servers; chunked otherwise: the
             try:  # same entries to float rounding): both whole, one kept
                 old.path.unlink()
@@ -192,13 +212,11 @@ class DiskTier:
 
     def _remove(self, e: Entry) -> None:
         with self.lock:
-            if e.kind.startswith("b"):
-                if self.blocks.get(e.key) is e:
-                    del self.blocks[e.key]
-            else:
-                tails = self.tails.get(e.parent, [])
-                if e in tails:
-                    tails.remove(e)
+            if self.blocks.get(e.key) is e:
+                del self.blocks[e.key]
+            children = self.children.get(e.parent, [])
+            if e in children:
+                children.remove(e)
 
     def _drop_file(self, path: Path) -> None:
         self.dropped += 1
@@ -209,7 +227,7 @@ class DiskTier:
 
     def entries(self) -> list[Entry]:
         with self.lock:
-            return list(self.blocks.values()) + [t for ts in self.tails.values() for t in ts]
+            return [e for es in self.children.values() for e in es]
 
     @property
     def nbytes(self) -> int:
@@ -218,8 +236,9 @@ class DiskTier:
     # -- reading ---------------------------------------------------------------------------------------
     def _plan(self, tokens: list[int]) -> tuple[list[Entry], int]:
         """The entries a load of `tokens` would read and the positions it restores: the matched blocks, then
-        the tail under one of them sharing the most tokens with the prompt (a positional cache uses a tail's
-        shared part; a hybrid only whole entries ending at a checkpoint)."""
+        the entry under one of them (a tail, or a block the prompt parts from) sharing the most tokens with
+        the prompt (a positional cache uses its shared part; a hybrid only whole entries ending at a
+        checkpoint)."""
         keys = chain_keys(self.root_key, tokens, self.block)
         chain = []
         with self.lock:
@@ -230,11 +249,11 @@ class DiskTier:
                 chain.append(e)
             best, best_n = [], 0
             parents = [self.root_key] + [e.key for e in chain]
-            for j, parent in enumerate(parents):  # a block end, then the tails under it
+            for j, parent in enumerate(parents):  # a block end, then the entries after it
                 start = j * self.block
                 if j and (not self.checkpoints or chain[j - 1].checkpoint) and start > best_n:
                     best, best_n = chain[:j], start
-                for t in self.tails.get(parent, []):
+                for t in self.children.get(parent, []):
                     shared = _shared(t.tokens, tokens[start:])
                     whole = shared == len(t.tokens)
                     if start + shared > best_n and (whole or not self.checkpoints) and (whole or shared) and \
@@ -247,7 +266,7 @@ class DiskTier:
         return self._plan(tokens)[1]
 
     def _count(self, e: Entry) -> int:
-        return len(e.tokens) if e.kind.startswith("t") else self.block
+        return len(e.tokens)
 
     def load(self, tokens: list[int]) -> Loaded | None:
         """The longest prefix of `tokens` on disk, read and checked (a file that fails its check is dropped and
@@ -290,47 +309,39 @@ class DiskTier:
         return None
 
     def _assemble(self, plan: list[Entry], parts: list, n: int, seconds: float) -> Loaded:
-        """The entries' arrays joined along the tokens, cut to the n positions the plan restores."""
-        meta0 = parts[0][1]
-        skel = json.loads(meta0["skeletons"])
-        bf16 = set()
-        for _, meta in parts:
-            bf16 |= set(json.loads(meta.get("bf16", "[]")))
-
-        def joined(name: str, axis: int, upto: int | None = None) -> mx.array:
-            pieces = [arrays[name] for arrays, _ in parts[:upto]]
-            a = mx.array(np.concatenate(pieces, axis=axis) if len(pieces) > 1 else pieces[0])
-            return a.view(mx.bfloat16) if name in bf16 else a
-
-        layers = [_build(s, [joined(f"p{i}.{j}", -2) for j in range(_count_leaves(s))]) for i, s in enumerate(skel["p"])]
-        hidden = joined("h", 0) if "h" in parts[0][0] else None
-        with_drafter, drafter_n = 0, 0  # entries whose drafter states lead, and the positions they cover
+        """Each entry's arrays as MLX arrays (one copy each from the mapped file), the last cut to the n
+        positions the plan restores; the checkpoint when the last entry is taken whole."""
+        pieces, start, leading = [], 0, True
         for e, (arrays, meta) in zip(plan, parts):
-            if "d0.0" not in arrays:
-                break
-            with_drafter += 1
-            covered = int(meta.get("drafter_n", self._count(e)))
-            drafter_n += covered
-            if covered < self._count(e):  # this entry's drafter states stop inside it
-                break
-        drafter = None
-        if with_drafter and skel.get("d"):
-            drafter = [_build(s, [joined(f"d{i}.{j}", -2, with_drafter) for j in range(_count_leaves(s))])
-                       for i, s in enumerate(skel["d"])]
-        whole = sum(self._count(e) for e in plan)
-        if n < whole:  # a tail's shared part only
-            layers = [tree_map(lambda a: a[..., :n, :], s) for s in layers]
-            hidden = hidden[:n] if hidden is not None else None
-        if drafter is not None and drafter_n > n:
-            drafter = [tree_map(lambda a: a[..., :n, :], s) for s in drafter]
-        drafter_n = min(drafter_n, n)
+            skel = json.loads(meta["skeletons"])
+            bf16 = set(json.loads(meta.get("bf16", "[]")))
+            end = min(start + self._count(e), n)
+            keep = end - start
+
+            def leaf(name: str, axis: int, upto: int) -> mx.array:
+                a = arrays[name]
+                a = a[..., :upto, :] if axis == -2 else a[:upto]
+                return _restore(np.ascontiguousarray(a), name in bf16)
+
+            layers = [_build(sk, [leaf(f"p{i}.{j}", -2, keep) for j in range(_count_leaves(sk))])
+                      for i, sk in enumerate(skel["p"])]
+            hidden = leaf("h", 0, keep) if "h" in arrays else None
+            drafter, covered = None, 0
+            if leading and "d0.0" in arrays and skel.get("d"):
+                covered = min(int(meta.get("drafter_n", self._count(e))), keep)
+                drafter = [_build(sk, [leaf(f"d{i}.{j}", -2, covered) for j in range(_count_leaves(sk))])
+                           for i, sk in enumerate(skel["d"])]
+            leading = leading and covered == keep
+            pieces.append(Piece(start, end, layers, hidden, drafter, covered))
+            start = end
         checkpoint = None
         last, meta = parts[-1]
-        if plan[-1].checkpoint and n == whole:
+        if plan[-1].checkpoint and n == sum(self._count(e) for e in plan):
+            bf16 = set(json.loads(meta.get("bf16", "[]")))
             cskel = json.loads(meta["skeletons"])["c"]
-            checkpoint = [_build(s, [_restore(last[f"c{i}.{j}"], f"c{i}.{j}" in bf16) for j in range(_count_leaves(s))])
-                          for i, s in enumerate(cskel)]
-        return Loaded(n, layers, hidden, drafter, drafter_n, checkpoint, seconds)
+            checkpoint = [_build(sk, [_restore(np.ascontiguousarray(last[f"c{i}.{j}"]), f"c{i}.{j}" in bf16)
+                                      for j in range(_count_leaves(sk))]) for i, sk in enumerate(cskel)]
+        return Loaded(n, pieces, checkpoint, seconds)
 
     # -- writing ---------------------------------------------------------------------------------------
     def offer(self, tree, tokens: list[int]) -> int:
@@ -343,13 +354,14 @@ class DiskTier:
         parent = self.root_key
         for i, k in enumerate(keys):
             if k not in self.blocks and k not in self.pending:
-                jobs.append(("b", k, parent, i * self.block, (i + 1) * self.block, None))
+                jobs.append(("b", k, parent, i * self.block, (i + 1) * self.block,
+                             list(tokens[i * self.block : (i + 1) * self.block])))
             parent = k
         start = len(keys) * self.block
         if start < len(tokens):
             rest = list(tokens[start:])
             k = tail_key(parent, rest)
-            if k not in self.pending and not any(t.key == k for t in self.tails.get(parent, [])):
+            if k not in self.pending and not any(t.key == k for t in self.children.get(parent, [])):
                 jobs.append(("t", k, parent, start, len(tokens), rest))
         queued = 0
         for kind, key, parent, s, e, rest in jobs:
@@ -358,9 +370,7 @@ class DiskTier:
                 continue
             if "c0.0" in arrays:
                 kind += "c"
-            meta.update(key=key, parent=parent, start=str(s), n=str(e - s), format=FORMAT)
-            if rest is not None:
-                meta["tokens"] = json.dumps(rest)
+            meta.update(key=key, parent=parent, start=str(s), n=str(e - s), format=FORMAT, tokens=json.dumps(rest))
             host.start(*arrays.values())
             self.pending.add(key)
             self.queue.put((kind, key, parent, rest, arrays, meta))
@@ -386,9 +396,15 @@ class DiskTier:
         bf16 = [name for name, a in arrays.items() if a.dtype == mx.bfloat16]
         for name in bf16:  # numpy has no bfloat16: its bits travel as uint16
             arrays[name] = arrays[name].view(mx.uint16)
+        for name, a in arrays.items():  # each made whole on the device now: the writer reads its memory as it is
+            arrays[name] = mx.contiguous(a)
         return arrays, {**meta, "skeletons": json.dumps(skel), "bf16": json.dumps(bf16)}
 
     def _writer(self) -> None:
+        try:  # the lowest priority (Linux threads are tasks): on a machine of few cores the decode goes first
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        except (AttributeError, OSError):
+            pass
         while True:
             job = self.queue.get()
             try:
@@ -407,11 +423,10 @@ class DiskTier:
     def _write(self, kind: str, key: str, parent: str, rest, arrays: dict, meta: dict) -> None:
         if self.writable is not None:
             return
-        data = files.encode({name: np.array(a) for name, a in arrays.items()}, meta)
-        path = files.write_atomic(self.folder, kind, key, data)
+        path, nbytes = files.write_atomic(self.folder, kind, key, arrays, meta)
         self.written += 1
-        self.bytes_written += len(data)
-        self._add(Entry(kind, key, files.parse_name(path.name)[2], path, len(data), time.time(), parent, rest or []))
+        self.bytes_written += nbytes
+        self._add(Entry(kind, key, files.parse_name(path.name)[2], path, nbytes, time.time(), parent, rest))
         self._keep_budget()
 
     def _keep_budget(self) -> None:

@@ -243,15 +243,16 @@ class PrefixCache:
         return joined, rows, kept, checkpoint
 
     def _from_disk(self, tokens: list[int], loaded) -> None:
-        """A disk tier's load of tokens[:loaded.n] into the tree (its arrays are new: kept, not copied)."""
-        n = loaded.n
-        if loaded.drafter is not None and loaded.drafter_n:
-            d = loaded.drafter_n
-            self._insert(tokens[:d], loaded.layers, loaded.hidden[:d] if loaded.hidden is not None else None,
-                         False, loaded.drafter)
-        self._insert(tokens[:n], loaded.layers, loaded.hidden, False, None)
+        """A disk tier's load of tokens[:loaded.n] into the tree, piece by piece (its arrays are new: kept,
+        not copied, each piece an edge of its own)."""
+        for p in loaded.pieces:
+            if p.drafter is not None and p.drafter_n:
+                d = p.start + p.drafter_n
+                self._insert(tokens[:d], p.layers, p.hidden[: p.drafter_n] if p.hidden is not None else None,
+                             False, p.drafter, offset=p.start)
+            self._insert(tokens[: p.end], p.layers, p.hidden, False, None, offset=p.start)
         if loaded.checkpoint is not None:
-            self._checkpoint(tokens[:n], loaded.checkpoint, False)
+            self._checkpoint(tokens[: loaded.n], loaded.checkpoint, False)
 
     # -- writing -----------------------------------------------------------------------------------------
     def insert(self, tokens: list[int], layers: list, hidden: mx.array | None = None, copy: bool = True,
@@ -290,7 +291,10 @@ class PrefixCache:
             host.wait(node.checkpoint)
         self._evict(keep=node)
 
-    def _insert(self, tokens: list[int], layers: list, hidden, copy: bool, drafter: list | None) -> int:
+    def _insert(self, tokens: list[int], layers: list, hidden, copy: bool, drafter: list | None,
+                offset: int = 0) -> int:
+        """insert's work; `offset`: the given states start at that token position (a disk piece's), which
+        every part of `tokens` not yet stored is at or after."""
         path = self._walk(tokens)
         self._tick += 1
         cut = _slice if copy else _view
@@ -300,8 +304,8 @@ class PrefixCache:
             if m < len(child.tokens):  # the new sequence leaves this edge at m: split it there
                 child = self._split(child, m)
             child.used = self._tick
-            if drafter is not None and child.drafter is None:
-                child.drafter = [cut(s, pos, pos + m) for s in drafter]
+            if drafter is not None and child.drafter is None and pos >= offset:
+                child.drafter = [cut(s, pos - offset, pos - offset + m) for s in drafter]
                 child.nbytes += _nbytes(child.drafter)
                 self.nbytes += _nbytes(child.drafter)
                 filled += child.drafter
@@ -311,9 +315,10 @@ class PrefixCache:
                 host.wait(filled)
             self._evict()
             return 0
-        new = _Node(list(tokens[pos:]), [cut(s, pos, len(tokens)) for s in layers],
-                    cut(hidden[None, None], pos, len(tokens))[0, 0] if self.with_hidden else None, node,
-                    [cut(s, pos, len(tokens)) for s in drafter] if drafter is not None else None)
+        a, b = pos - offset, len(tokens) - offset  # (the new positions in the given states)
+        new = _Node(list(tokens[pos:]), [cut(s, a, b) for s in layers],
+                    cut(hidden[None, None], a, b)[0, 0] if self.with_hidden else None, node,
+                    [cut(s, a, b) for s in drafter] if drafter is not None else None)
         new.used = self._tick
         node.children[tokens[pos]] = new
         self.nbytes += new.nbytes
