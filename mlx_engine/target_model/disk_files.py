@@ -124,6 +124,8 @@ def read_checked(path: Path, crc: int) -> tuple[dict[str, np.ndarray], dict[str,
             data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
     except ValueError:  # an empty file cannot be mapped
         raise CorruptEntry(f"{path.name}: empty") from None
+    if hasattr(data, "madvise"):  # the whole file read ahead, while the CRC walks it
+        data.madvise(mmap.MADV_WILLNEED)
     if zlib.crc32(data) != crc:
         raise CorruptEntry(f"{path.name}: checksum mismatch ({len(data)} bytes)")
     try:
