@@ -19,7 +19,6 @@ from mlx_engine.core.batch_engine import BatchEngine
 from mlx_engine.core.engine import Engine, GenerationConfig
 from mlx_engine.drafters.draft_model import DraftModelDrafter
 from mlx_engine.sampling import SamplingConfig
-from mlx_engine.target_model.batch_recurrent import BatchRecurrentCache
 from test_batch_engine import alone, run
 
 FAMILIES = tiny_models.AGENT_FAMILIES
@@ -335,20 +334,12 @@ def test_four_rows_each_under_its_own_schema_equal_plain_constrained(family):
     import jsonschema
 
     import grammar_util as gu
+    from test_grammar_batch import N, run_batch
 
     model = target(family, gu.VOCAB)
-    engine = BatchEngine(model, drafter(family, gu.VOCAB), num_draft=2, prefix_cache_bytes=0)
-    grammars = [gu.schema_grammar(s) for s in gu.SCHEMAS]
-    for j, (prompt, grammar) in enumerate(zip(gu.PROMPTS, grammars)):
-        engine.add(j, prompt, 60, stop_tokens=frozenset([gu.eos()]), grammar=grammar)
-    outs, stats = {j: [] for j in range(len(grammars))}, {}
-    while engine.running():
-        for o in engine.step():
-            outs[o.seq_id] += o.tokens
-            if o.finished:
-                stats[o.seq_id] = o.stats
-    for j, (prompt, grammar, schema) in enumerate(zip(gu.PROMPTS, grammars, gu.SCHEMAS)):
-        assert outs[j] == gu.reference(model, prompt, gu.schema_grammar(schema), 60), f"row {j}"
+    outs, stats, _ = run_batch(model, drafter(family, gu.VOCAB), [gu.schema_grammar(s) for s in gu.SCHEMAS], 2)
+    for j, (prompt, schema) in enumerate(zip(gu.PROMPTS, gu.SCHEMAS)):
+        assert outs[j] == gu.reference(model, prompt, gu.schema_grammar(schema), N), f"row {j}"
         if outs[j][-1] == gu.eos():
             jsonschema.validate(json.loads(gu.decode(outs[j])), schema)
     assert sum(s["forced"] for s in stats.values()) > 0

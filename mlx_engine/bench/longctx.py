@@ -42,6 +42,18 @@ from .report import BenchInputError, writable_file
 STREAM_PROMPT = [{"role": "user", "content": "Write a long story about a lighthouse keeper and a storm."}]
 
 
+def load_for_modes(model: str | None, modes: list[str], out: str | None, opts=lambda mode: DrafterOptions()):
+    """The model, after the cheap checks: --out writable, and every drafter of `modes` makeable ("none":
+    plain) before any work. Raises the errors a bench reports as one line."""
+    if out:
+        writable_file(out, "--out")
+    loaded = load(model)
+    for m in modes:
+        if m != "none":
+            make_drafter(m, loaded, opts(m))
+    return loaded
+
+
 def encode(tokenizer, messages) -> list[int]:
     return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
 
@@ -303,12 +315,7 @@ def agent_server_main(args, parser) -> int:
     def opts(mode: str) -> DrafterOptions:
         return DrafterOptions(eagle3=args.eagle3 if "eagle3" in mode else None)
     try:
-        if args.out:
-            writable_file(args.out, "--out")
-        loaded = load(args.model)
-        for m in modes:
-            if m != "none":
-                make_drafter(m, loaded, opts(m))
+        loaded = load_for_modes(args.model, modes, args.out, opts)
     except (BenchInputError, ModelLoadError, DrafterError, ValueError) as e:
         return fail(str(e))
     tok = loaded.tokenizer

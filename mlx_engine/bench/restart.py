@@ -30,10 +30,10 @@ from pathlib import Path
 
 from ..args import ArgumentParser, count, fail, interrupted
 from ..drafters.registry import DrafterError, DrafterOptions, make_drafter
-from ..models import ModelLoadError, load
+from ..models import ModelLoadError
 from .agent_session import python_version, session
-from .longctx import encode
-from .report import BenchInputError, writable_file
+from .longctx import encode, load_for_modes
+from .report import BenchInputError
 
 SECOND_TASK = "Review the files read so far and list three functions that lack tests, with one line each on why."
 
@@ -163,12 +163,7 @@ def main(argv=None) -> int:
         return e.code
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     try:
-        if args.out:
-            writable_file(args.out, "--out")
-        loaded = load(args.model)
-        for m in modes:
-            if m != "none":
-                make_drafter(m, loaded, DrafterOptions())
+        loaded = load_for_modes(args.model, modes, args.out)
     except (BenchInputError, ModelLoadError, DrafterError, ValueError) as e:
         return fail(str(e))
     tok = loaded.tokenizer

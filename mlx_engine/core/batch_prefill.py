@@ -36,6 +36,7 @@ import mlx.core as mx
 from mlx.utils import tree_map
 
 from ..target_model.layer_span import Span
+from ..target_model.prefix_cache import common_prefix
 from .batch_sequence import RunningSequence
 from .batch_turn import SMALL_PROMPT
 from .chunk_sizer import ChunkSizer
@@ -87,14 +88,6 @@ class Prefilling:
     def chunk(self, n: int) -> list[int]:
         """The next (at most) n prompt tokens to feed."""
         return self.seq.prompt[self.done : self.done + n]
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
 
 
 class PrefillQueue:

@@ -45,6 +45,7 @@ import numpy as np
 
 from .. import host
 from . import disk_files as files
+from .prefix_cache import common_prefix
 
 BLOCK = 256  # tokens a block entry holds
 FORMAT = "1"
@@ -254,7 +255,7 @@ class DiskTier:
                 if j and (not self.checkpoints or chain[j - 1].checkpoint) and start > best_n:
                     best, best_n = chain[:j], start
                 for t in self.children.get(parent, []):
-                    shared = _shared(t.tokens, tokens[start:])
+                    shared = common_prefix(t.tokens, tokens[start:])
                     whole = shared == len(t.tokens)
                     if start + shared > best_n and (whole or not self.checkpoints) and (whole or shared) and \
                             (not self.checkpoints or t.checkpoint):
@@ -468,16 +469,6 @@ class DiskTier:
                 "load_seconds": round(self.load_seconds, 3), "bytes_read": self.bytes_read,
                 "written": self.written, "bytes_written": self.bytes_written, "writes": self.writable or "on",
                 "dropped": self.dropped, "evicted": self.evicted}
-
-
-def _shared(a: list[int], b: list[int]) -> int:
-    """Leading tokens two lists share."""
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def _positions(states: list) -> int:

@@ -39,6 +39,19 @@ def front(layer, inputs):
     return qkv, z, layer.in_proj_b(inputs), layer.in_proj_a(inputs)
 
 
+def split_qkv(layer, conv_out: mx.array) -> list[mx.array]:
+    """The convolution's output [B, S, conv_dim] as q, k [B, S, Hk, Dk] and v [B, S, Hv, Dv], as mlx-lm splits it."""
+    B, S, _ = conv_out.shape
+    return [
+        t.reshape(B, S, h, d)
+        for t, h, d in zip(
+            mx.split(conv_out, [layer.key_dim, 2 * layer.key_dim], -1),
+            [layer.num_k_heads, layer.num_k_heads, layer.num_v_heads],
+            [layer.head_k_dim, layer.head_k_dim, layer.head_v_dim],
+        )
+    ]
+
+
 def rows_call(layer, inputs: mx.array, cache) -> mx.array:
     """mlx-lm's GatedDeltaNet.__call__ for the rows of a BatchRecurrentCache."""
     from mlx_lm.models.gated_delta import compute_g, gated_delta_update, normalize_qk
@@ -59,15 +72,7 @@ def rows_call(layer, inputs: mx.array, cache) -> mx.array:
     n_keep = layer.conv_kernel_size - 1
     ends = mx.array(real, dtype=mx.int32)
     conv_after = mx.take_along_axis(conv_input, (ends[:, None] + mx.arange(n_keep))[..., None], axis=1)
-    conv_out = nn.silu(layer.conv1d(conv_input))
-    q, k, v = [
-        t.reshape(B, S, h, d)
-        for t, h, d in zip(
-            mx.split(conv_out, [layer.key_dim, 2 * layer.key_dim], -1),
-            [layer.num_k_heads, layer.num_k_heads, layer.num_v_heads],
-            [layer.head_k_dim, layer.head_k_dim, layer.head_v_dim],
-        )
-    ]
+    q, k, v = split_qkv(layer, nn.silu(layer.conv1d(conv_input)))
     q, k = normalize_qk(q, k, inv_scale=layer.head_k_dim**-0.5, eps=1e-6)
     outs, per_token, after = [], None, state
     if P:

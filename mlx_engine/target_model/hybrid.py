@@ -29,7 +29,7 @@ import mlx.nn as nn
 
 from .. import kernels
 from .batch_recurrent import BatchRecurrentCache
-from .gdn_rows import front, rows_call
+from .gdn_rows import front, rows_call, split_qkv
 
 MAX_TOKENS = 32  # longest pass whose per-token states are kept (verify passes; not prompts)
 
@@ -73,15 +73,7 @@ def _per_token_call(self, inputs, mask=None, cache=None):
     conv_input = mx.concatenate([conv_state, mixed], axis=1)  # [B, K-1+S, C]
     n_keep = self.conv_kernel_size - 1
     cache[0] = mx.contiguous(conv_input[:, -n_keep:, :])
-    conv_out = nn.silu(self.conv1d(conv_input))
-    q, k, v = [
-        t.reshape(B, S, h, d)
-        for t, h, d in zip(
-            mx.split(conv_out, [self.key_dim, 2 * self.key_dim], -1),
-            [self.num_k_heads, self.num_k_heads, self.num_v_heads],
-            [self.head_k_dim, self.head_k_dim, self.head_v_dim],
-        )
-    ]
+    q, k, v = split_qkv(self, nn.silu(self.conv1d(conv_input)))
     state = cache[1]
     q, k = normalize_qk(q, k, inv_scale=self.head_k_dim**-0.5, eps=1e-6)
     beta = mx.sigmoid(b)

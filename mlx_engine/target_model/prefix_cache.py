@@ -58,6 +58,16 @@ def _concat(states: list):
     return tree_map(lambda _: next(it), states[0])
 
 
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading tokens two token lists share."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
 def _nbytes(tree) -> int:
     return sum(a.nbytes for _, a in tree_flatten(tree))
 
