@@ -28,6 +28,14 @@ def wait(*arrays) -> None:
     mx.eval(*arrays)
 
 
+def read_bytes(*arrays: mx.array) -> list[bytes]:
+    """Evaluate arrays together and bring each one's raw bytes to the host: one synchronisation (weights'
+    samples for a fingerprint, cache pieces for the disk tier)."""
+    counts["read"] += 1
+    mx.eval(*arrays)
+    return [bytes(memoryview(a)) for a in arrays]
+
+
 def start(*arrays) -> None:
     """Start evaluating arrays in the background (not a synchronisation)."""
     mx.async_eval(*arrays)

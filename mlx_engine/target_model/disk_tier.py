@@ -31,6 +31,7 @@ A restart rebuilds the index from the files (their names, and the parent key and
 from __future__ import annotations
 
 import hashlib
+import struct
 import json
 import os
 import queue
@@ -53,7 +54,7 @@ FORMAT = "1"
 
 def _hash(parent: str, tokens: list[int], salt: bytes = b"") -> str:
     h = hashlib.sha256(parent.encode() + salt)
-    h.update(np.asarray(tokens, dtype=np.int32).tobytes())
+    h.update(struct.pack(f"<{len(tokens)}i", *tokens))  # the tokens as little-endian int32
     return h.hexdigest()[:40]
 
 

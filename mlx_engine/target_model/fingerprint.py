@@ -14,8 +14,9 @@ from __future__ import annotations
 import hashlib
 
 import mlx.core as mx
-import numpy as np
 from mlx.utils import tree_flatten
+
+from .. import host
 
 SAMPLES = 64  # values read per tensor
 
@@ -30,10 +31,8 @@ def weights_digest(module) -> str:
         flat = a.reshape(-1)
         step = max(1, flat.size // SAMPLES)
         picks.append(flat[::step][:SAMPLES].astype(mx.float32))
-    if picks:
-        mx.eval(*picks)
-        for p in picks:
-            h.update(np.array(p).tobytes())
+    for raw in host.read_bytes(*picks) if picks else []:
+        h.update(raw)
     return h.hexdigest()
 
 
