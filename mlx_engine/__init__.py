@@ -8,6 +8,7 @@
 """
 
 from ._platform import OPENBLAS  # noqa: F401  must run before mlx is imported
+from ._version import __version__  # noqa: F401, E402
 
 from .drafters.base import Draft, Drafter, Verdict  # noqa: E402
 from .drafters.draft_model import DraftModelDrafter  # noqa: E402

@@ -3,11 +3,13 @@
 import sys
 
 from . import cli
+from ._version import __version__
 from .args import ArgumentParser, interrupted
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = ArgumentParser(prog="python -m mlx_engine", description="Lossless speculative decoding on MLX.")
+    parser.add_argument("--version", action="version", version=f"mlx-engine {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     cli.add_generate_args(sub.add_parser("generate", help="generate text with (or without) speculative decoding"))
     conv = sub.add_parser("convert", help="convert a model to MLX, keeping its MTP head (or adding one)")
