@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: setup chat test test-slow test-all test-gpu mutants clean
+.PHONY: setup chat test test-slow test-all test-gpu mutants docs docs-serve clean
 
 setup: $(STAMP)
 
@@ -42,5 +42,20 @@ test-gpu:
 mutants: $(STAMP)
 	$(PY) scripts/mutants.py $(ARGS)
 
+# The manual (docs/, mkdocs.yml): the docs extra installed once into the venv, then a --strict build into site/
+# (a broken link or anchor, or a page outside the nav, fails it). `make docs-serve` serves it with live reload.
+DOCS_STAMP := $(VENV)/.docs-stamp
+
+$(DOCS_STAMP): $(STAMP) pyproject.toml
+	$(PY) -m pip install -q -e ".[docs]"
+	@touch $(DOCS_STAMP)
+
+docs: $(DOCS_STAMP)
+	$(PY) scripts/bench_tables.py --check
+	$(PY) -m mkdocs build --strict
+
+docs-serve: $(DOCS_STAMP)
+	$(PY) -m mkdocs serve
+
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build site *.egg-info

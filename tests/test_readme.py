@@ -1,4 +1,5 @@
-"""The README's Python API block runs as written (the embedded model) and stops at the end of the answer."""
+"""The manual's Python API block (docs/python-api.md) runs as written (the embedded model) and stops at the end of
+the answer."""
 
 import contextlib
 import io
@@ -7,12 +8,12 @@ from pathlib import Path
 
 
 def test_the_api_block_runs_and_stops_at_the_end_of_the_answer():
-    readme = (Path(__file__).parent.parent / "README.md").read_text()
-    section = readme[readme.index("## The Python API"):]
+    page = (Path(__file__).parent.parent / "docs" / "python-api.md").read_text()
+    section = page[page.index("# The Python API"):]
     code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
     scope: dict = {}
     with contextlib.redirect_stdout(io.StringIO()) as out:
-        exec(compile(code, "README.md", "exec"), scope)
+        exec(compile(code, "docs/python-api.md", "exec"), scope)
     stats = scope["engine"].stats
     assert scope["tokens"][-1] in scope["stop"] and stats.generated == len(scope["tokens"]) < 128
     assert out.getvalue().strip()
