@@ -58,6 +58,11 @@ def count(server, **body) -> int:
     return r.json()["input_tokens"]
 
 
+def prompt_tokens(message) -> int:
+    """The whole prompt: Anthropic's input_tokens leaves out what the prefix cache read (issue 54)."""
+    return message.usage.input_tokens + message.usage.cache_read_input_tokens
+
+
 def anthropic_error(r, status: int, kind: str = "invalid_request_error") -> str:
     assert r.status_code == status, r.text
     body = r.json()
@@ -70,7 +75,7 @@ def test_a_plain_message(server, client):
     assert m.id.startswith("msg_") and m.type == "message" and m.role == "assistant" and m.model == server.model
     assert [b.type for b in m.content] == ["text"] and "Paris" in m.content[0].text
     assert m.stop_reason in ("end_turn", "max_tokens") and m.stop_sequence is None
-    assert m.usage.input_tokens == count(server, messages=FRANCE) and 0 < m.usage.output_tokens <= 12
+    assert prompt_tokens(m) == count(server, messages=FRANCE) and 0 < m.usage.output_tokens <= 12
     assert m.model_extra["speculation"]["drafter"] == "mtp"
     # another model's name (Claude Code sends its own) is served by the one model
     assert client.messages.create(model="claude-haiku-4-5", max_tokens=4, messages=FRANCE).model == server.model
@@ -96,7 +101,7 @@ def test_system_as_a_string_as_blocks_and_folded_from_later_messages(server, cli
     assert folded == prompt(system=two, messages=[m for m in later if m["role"] != "system"])
     assert folded.index("Answer in English.") < folded.index("What is the capital of France?")
     m = client.messages.create(model=server.model, max_tokens=6, system="You are terse.", messages=later)
-    assert m.content and m.usage.input_tokens == count(server, system="You are terse.", messages=later)
+    assert m.content and prompt_tokens(m) == count(server, system="You are terse.", messages=later)
 
 
 def test_streamed_equals_whole_and_stop_sequences(server, client):
@@ -108,7 +113,7 @@ def test_streamed_equals_whole_and_stop_sequences(server, client):
         final = s.get_final_message()
     assert "".join(texts) == whole.content[0].text == final.content[0].text and len(texts) > 1
     assert final.stop_reason == whole.stop_reason and final.usage.output_tokens == whole.usage.output_tokens
-    assert final.usage.input_tokens == whole.usage.input_tokens
+    assert prompt_tokens(final) == prompt_tokens(whole)
     # a stop sequence ends the answer before it and is named
     text = whole.content[0].text
     word = text.split()[2]
@@ -154,11 +159,11 @@ def test_a_history_with_tool_use_and_tool_result(server, client):
             {"type": "tool_result", "tool_use_id": "toolu_01", "content": "22 degrees and sunny"},
             {"type": "text", "text": "Thanks. Is that warm?"}]}]
     m = client.messages.create(model=server.model, max_tokens=8, tools=[WEATHER], messages=history)
-    assert m.content and m.usage.input_tokens == count(server, tools=[WEATHER], messages=history)
+    assert m.content and prompt_tokens(m) == count(server, tools=[WEATHER], messages=history)
     # the result is in the prompt: a longer result makes a longer prompt
     longer = json.loads(json.dumps(history))
     longer[-1]["content"][0]["content"] = [{"type": "text", "text": "22 degrees and sunny, light wind from the west"}]
-    assert count(server, tools=[WEATHER], messages=longer) > m.usage.input_tokens
+    assert count(server, tools=[WEATHER], messages=longer) > prompt_tokens(m)
     # what the template reads: the call (its key order kept), the result before the user's text
     body = anthropic_api.MessagesBody.model_validate({"model": "m", "max_tokens": 8, "tools": [WEATHER],
                                                       "messages": history})
@@ -199,7 +204,7 @@ def test_count_tokens_is_the_prompt_the_engine_sees(server, client):
                  {"messages": ASK, "tools": [WEATHER], "tool_choice": {"type": "any"}}):
         n = client.messages.count_tokens(model=server.model, **body).input_tokens
         m = client.messages.create(model=server.model, max_tokens=2, **body)
-        assert n == m.usage.input_tokens > 10
+        assert n == prompt_tokens(m) > 10
 
 
 def test_errors_in_anthropics_envelope(server, client):
@@ -282,7 +287,8 @@ def test_thinking_text_and_tool_use_blocks_whole_and_streamed():
                                 {"type": "text", "text": "Let me look."},
                                 {"type": "tool_use", "id": "toolu_abc", "name": "get_weather",
                                  "input": {"city": "Paris", "unit": "c"}}]
-    assert whole["stop_reason"] == "tool_use" and whole["usage"] == {"input_tokens": 3, "output_tokens": 9}
+    assert whole["stop_reason"] == "tool_use" and whole["usage"] == {"input_tokens": 3, "output_tokens": 9,
+                                                                  "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0}
     chunks = _fake_run(items, streamed=True)
     events = [json.loads(c.split("\ndata: ", 1)[1]) for c in chunks]
     snapshot = None

@@ -41,6 +41,7 @@ from .errors import APIError, anthropic_error_body as error_body, anthropic_erro
     invalid_request
 from .intake import parse, read_body
 from .jobs import Done
+from .keepalive import KEEPALIVE
 from .runner import SHUTTING_DOWN, ClientLeft, check_model, events, start
 from .schemas import NullIsDefault, check_text
 from .turn import Turn, prepare
@@ -244,6 +245,7 @@ def messages_turn(body: CountBody) -> Turn:
         except ValueError as e:
             raise APIError(400, str(e)) from None
         turn.max_tokens, turn.stop, turn.stream = body.max_tokens, body.stop_sequences, body.stream
+        turn.named = frozenset(body.model_fields_set)
     return turn
 
 
@@ -334,8 +336,16 @@ async def complete(job, message: dict, http, service):
         block["input"] = tool_input(args[index])
     reason, stop = stop_reason(done)
     return {**message, "content": content, "stop_reason": reason, "stop_sequence": stop,
-            "usage": {"input_tokens": done.prompt_tokens, "output_tokens": done.completion_tokens},
-            "speculation": done.speculation}
+            "usage": usage(done), "speculation": done.speculation}
+
+
+def usage(done: Done) -> dict:
+    """Anthropic's usage: its three input counts add up to the prompt, as its clients sum them (Claude Code sizes
+    its context by input_tokens + cache_creation_input_tokens + cache_read_input_tokens): `cache_read_input_tokens`
+    the prompt tokens the engine reused (prefix cache, previous turn), `input_tokens` the ones it prefilled.
+    `cache_creation_input_tokens` stays 0: reporting the prefilled tokens there as well would count them twice."""
+    return {"input_tokens": done.prompt_tokens - done.cached_tokens, "output_tokens": done.completion_tokens,
+            "cache_creation_input_tokens": 0, "cache_read_input_tokens": done.cached_tokens}
 
 
 def sse(event: dict) -> str:
@@ -365,10 +375,12 @@ async def stream(job, message: dict, prompt_tokens: int, http, service):
             **message, "content": [], "stop_reason": None, "stop_sequence": None,
             "usage": {"input_tokens": prompt_tokens, "output_tokens": 0}}})
         yield sse({"type": "ping"})
-        async with aclosing(events(job, http, service.worker.cancel)) as evs:
+        async with aclosing(events(job, http, service.worker.cancel, getattr(service, "keepalive", None))) as evs:
             async for event in evs:
                 out: list[str] = []
-                if isinstance(event, Text):
+                if event is KEEPALIVE:  # nothing from the engine for a while (queued, prefilling): the API's ping
+                    out.append(sse({"type": "ping"}))
+                elif isinstance(event, Text):
                     if event.kind == "reasoning":
                         if open_block != ("thinking", -1):
                             out += begin({"type": "thinking", "thinking": "", "signature": ""}, ("thinking", -1))
@@ -390,7 +402,7 @@ async def stream(job, message: dict, prompt_tokens: int, http, service):
                     out += close()
                     reason, stop = stop_reason(event)
                     out.append(sse({"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": stop},
-                                    "usage": {"output_tokens": event.completion_tokens},
+                                    "usage": usage(event),  # cumulative: the cache's share known now
                                     "speculation": event.speculation}))
                     out.append(sse({"type": "message_stop"}))
                 for line in out:

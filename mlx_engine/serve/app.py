@@ -9,14 +9,15 @@ from __future__ import annotations
 import json
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.responses import Response
 
-from . import anthropic_api, openai_api, responses_api
+from . import anthropic_api, openai_api, responses_api, sampling_defaults
 from .errors import install_error_handlers
 from .intake import DEFAULT_MAX_BODY_BYTES, RequireAPIKey
+from .keepalive import DEFAULT_SECONDS as KEEPALIVE_SECONDS
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .runner import RETRY_AFTER_SECONDS, SHUTTING_DOWN  # noqa: F401  (kept importable from here)
 from .turn import encode_chat  # noqa: F401  (tests and tools count prompts with it)
@@ -36,6 +37,9 @@ class Service:
     api_key: str | None = None
     memory: object = None  # core.memory.MemoryBudget: a request whose KV cache can never fit is refused here
     strict_model_name: bool = False  # a request naming another model gets 404 (default: the one model serves it)
+    drafter: str | None = None  # the drafter's kind (/v1/models says it)
+    sampling_defaults: dict = field(default_factory=dict)  # generation_config.json's: what a request naming none gets
+    keepalive: float = KEEPALIVE_SECONDS  # a stream's ping after this many silent seconds (0: none; keepalive.py)
 
 
 class RequestLog:
@@ -84,6 +88,17 @@ def request_line(scope, status: int, body: bytes, seconds: float) -> str:
     return line
 
 
+def model_card(service: Service) -> dict:
+    """/v1/models' entry: OpenAI's four fields, then what an agent sizes and shows by: the context window (as
+    `context_length`, and as vLLM names it, `max_model_len`), what serves it (drafter, mode), and the sampling a
+    request that names none gets (the checkpoint's generation_config.json over the server's greedy defaults)."""
+    return {"id": service.model_id, "object": "model", "created": 0, "owned_by": "mlx-engine",
+            "context_length": service.context_length, "max_model_len": service.context_length,
+            "drafter": service.drafter or "none", "mode": service.worker.mode,
+            "sampling_defaults": sampling_defaults.effective(service.sampling_defaults),
+            "sampling_defaults_source": "generation_config.json" if service.sampling_defaults else "server"}
+
+
 def create_app(service: Service) -> FastAPI:
     app = FastAPI(title="mlx-engine", docs_url=None, redoc_url=None, openapi_url=None)
     install_error_handlers(app)
@@ -101,8 +116,7 @@ def create_app(service: Service) -> FastAPI:
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": service.model_id, "object": "model", "created": 0,
-                                            "owned_by": "mlx-engine"}]}
+        return {"object": "list", "data": [model_card(service)]}
 
     @app.post("/v1/chat/completions")
     async def chat(http: HTTPRequest):

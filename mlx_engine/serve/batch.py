@@ -120,5 +120,5 @@ class BatchWorker(WorkerBase):
             "decode_tps": round(s.get("decode_tokens_per_second", 0.0), 2),
             "forced": s.get("forced", 0), "forced_accepted": s.get("forced_accepted", 0),
         }
-        out.finish(spec, reason)
+        out.finish(spec, reason, s.get("reused_prompt_tokens", 0))
         del self.active[result.seq_id]

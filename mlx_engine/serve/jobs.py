@@ -47,6 +47,7 @@ class Done:
     completion_tokens: int
     speculation: dict
     stop_sequence: str | None = None  # the stop string that ended it (None: end of sequence, or not "stop")
+    cached_tokens: int = 0  # prompt tokens the engine reused (prefix cache, the previous turn's cache), not prefilled
 
 
 @dataclass(frozen=True)
@@ -154,13 +155,13 @@ class Output:
             for event in self.splitter.finish():
                 self.job.put(event)
 
-    def finish(self, speculation: dict, reason: str | None = None) -> None:
+    def finish(self, speculation: dict, reason: str | None = None, cached_tokens: int = 0) -> None:
         self._put(self.stream.finish() if not self.stream.stopped else "", last=True)
         reason = reason or self.finish_reason or "length"
         if reason == "stop" and self.splitter is not None and self.splitter.made_calls:
             reason = "tool_calls"
         self.job.put(Done(reason, len(self.job.request.prompt), self.generated, speculation,
-                          self.stream.matched if self.stream.stopped else None))
+                          self.stream.matched if self.stream.stopped else None, cached_tokens))
 
 
 def marker_ids(tokenizer, answer) -> frozenset[int]:

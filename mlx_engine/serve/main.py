@@ -14,6 +14,7 @@ from ..drafters import registry
 from ..drafters.base import quantize_kv
 from ..drafters.registry import DrafterError, DrafterOptions
 from .intake import DEFAULT_MAX_BODY_BYTES
+from .keepalive import DEFAULT_SECONDS as KEEPALIVE_SECONDS
 
 BATCHING = ("auto", "continuous", "fair")
 
@@ -53,6 +54,12 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shutdown-timeout", type=finite(0), default=20.0,
                    help="on Ctrl-C / SIGTERM, seconds running requests get to finish before they are cancelled "
                         "(default 20, under Kubernetes' 30 s grace period)")
+    p.add_argument("--keepalive", type=finite(0), default=KEEPALIVE_SECONDS, metavar="SECONDS",
+                   help=f"a stream silent this long (queued, prefilling) gets a keepalive: an SSE comment, Anthropic's "
+                        f"ping (default {KEEPALIVE_SECONDS:g}; 0 = none), so clients' idle timeouts do not cut a long prefill")
+    p.add_argument("--no-generation-config", dest="generation_config", action="store_false",
+                   help="ignore the checkpoint's generation_config.json: a request naming no temperature / top_p / "
+                        "top_k / penalties gets the server's defaults (greedy) instead of the checkpoint's")
     p.add_argument("--batching", choices=BATCHING, default="auto",
                    help="continuous: batch concurrent requests (KV-cache models); fair: one at a time, first come "
                         "first served (any model); auto (default): continuous where the model allows")
@@ -82,7 +89,9 @@ def build_service(args):
     from ..prepare import UsageError, load_within_budget, parse_num_draft
     from ..core.engine import Engine
     from ..models import load
+    from ..models.generation_config import sampling_defaults
     from .app import Service
+    from .sampling_defaults import checked
     from .worker import FairQueueWorker
 
     num_draft = parse_num_draft(args.num_draft)
@@ -149,8 +158,21 @@ def build_service(args):
         name = name[: -len(".gguf")]
     service = Service(name, loaded.tokenizer, context_length(loaded.config), loaded.vocab_size, worker, args.max_tokens,
                       max_body_bytes=args.max_body_bytes, api_key=args.api_key, memory=budget,
-                      strict_model_name=args.strict_model_name)
+                      strict_model_name=args.strict_model_name, drafter=kind,
+                      keepalive=getattr(args, "keepalive", KEEPALIVE_SECONDS))
+    if getattr(args, "generation_config", True):
+        service.sampling_defaults, refused = checked(sampling_defaults(loaded.path))
+        for line in refused:
+            print(f"note: generation_config.json: {line}; the server's default is kept", file=sys.stderr)
     return service, kind
+
+
+def defaults_line(service) -> str:
+    """What the start-up line says of a request's sampling defaults."""
+    if not service.sampling_defaults:
+        return "sampling defaults: the server's (greedy)"
+    values = ", ".join(f"{k} {v:g}" for k, v in service.sampling_defaults.items())
+    return f"sampling defaults from generation_config.json: {values}"
 
 
 def cache_line(status: dict) -> str:
@@ -250,7 +272,8 @@ def run_serve(args) -> int:
     status = service.worker.status()
     print(f"serving {service.model_id} on http://{args.host}:{port}/v1 (drafter {kind}, num-draft "
           f"{args.num_draft}, {service.worker.mode}, up to {args.max_concurrency if status['mode'] == 'continuous' else 1} "
-          f"at once{', batch invariant' if status['batch_invariant'] else ''}; {cache_line(status)})",
+          f"at once{', batch invariant' if status['batch_invariant'] else ''}; {cache_line(status)}; "
+          f"context {service.context_length}; {defaults_line(service)})",
           file=sys.stderr, flush=True)
     try:
         server.run(sockets=[sock])

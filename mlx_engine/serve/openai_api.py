@@ -19,6 +19,7 @@ from ..toolcalls.stream import CallArgs, CallStart, Text
 from .errors import APIError, error_body, error_response
 from .intake import parse, read_body
 from .jobs import Done, Logprobs
+from .keepalive import KEEPALIVE, SSE_COMMENT
 from .runner import SHUTTING_DOWN, ClientLeft, events, start
 from .schemas import ChatRequest, CompletionRequest
 from .turn import Turn
@@ -29,7 +30,8 @@ def chat_turn(body: ChatRequest) -> Turn:
                 tool_choice=body.tool_choice if body.tools else "none", parallel_tool_calls=body.parallel_tool_calls,
                 response_format=body.response_format, template_kwargs=body.template_kwargs(),
                 sampling=body.sampling(), max_tokens=body.limit(None), stop=body.stop, seed=body.seed,
-                num_draft=body.num_draft, logprobs=body.logprob_count, stream=body.stream)
+                num_draft=body.num_draft, logprobs=body.logprob_count, stream=body.stream,
+                named=frozenset(body.model_fields_set))
 
 
 def completion_turn(body: CompletionRequest, vocab_size: int) -> Turn:
@@ -38,7 +40,7 @@ def completion_turn(body: CompletionRequest, vocab_size: int) -> Turn:
         raise APIError(400, f"prompt token ids must be in [0, {vocab_size})", param="prompt")
     return Turn(body.model, prompt=prompt, response_format=body.response_format, sampling=body.sampling(),
                 max_tokens=body.limit(None), stop=body.stop, seed=body.seed, num_draft=body.num_draft,
-                logprobs=body.logprobs, stream=body.stream)
+                logprobs=body.logprobs, stream=body.stream, named=frozenset(body.model_fields_set))
 
 
 def legacy_logprobs(entries: list[dict], top: int) -> dict:
@@ -55,8 +57,11 @@ def logprobs_field(entries: list[dict] | None, chat: bool, top: int | None):
 
 
 def usage(done: Done) -> dict:
+    """OpenAI's usage; `prompt_tokens_details.cached_tokens`: the prompt tokens the engine reused (its prefix
+    cache, the previous turn's cache) instead of prefilling them."""
     return {"prompt_tokens": done.prompt_tokens, "completion_tokens": done.completion_tokens,
-            "total_tokens": done.prompt_tokens + done.completion_tokens}
+            "total_tokens": done.prompt_tokens + done.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": done.cached_tokens}}
 
 
 def finish_reason(done: Done) -> str:
@@ -141,9 +146,11 @@ async def stream(job, envelope: dict, chat: bool, include_usage: bool, http, ser
     try:
         if chat:
             yield sse(chunk({"role": "assistant", "content": ""}))
-        async with aclosing(events(job, http, service.worker.cancel)) as evs:
+        async with aclosing(events(job, http, service.worker.cancel, getattr(service, "keepalive", None))) as evs:
             async for event in evs:
-                if isinstance(event, Text):
+                if event is KEEPALIVE:  # nothing from the engine for a while (queued, prefilling): a comment line
+                    yield SSE_COMMENT
+                elif isinstance(event, Text):
                     if chat:
                         yield sse(chunk({"content" if event.kind == "content" else "reasoning_content": event.text}))
                     else:

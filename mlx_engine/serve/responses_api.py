@@ -43,6 +43,7 @@ from ..toolcalls.stream import CallArgs, CallStart, Text
 from .errors import APIError, error_body, error_response
 from .intake import parse, read_body
 from .jobs import Done
+from .keepalive import KEEPALIVE, SSE_COMMENT
 from .runner import SHUTTING_DOWN, ClientLeft, events, start
 from .schemas import StopSeedDraft, Unsupported, check_text
 from .turn import Turn
@@ -323,7 +324,7 @@ def responses_turn(body: ResponsesRequest, model: str) -> Turn:
     return Turn(body.model or model, messages=conversation(body), tools=tools, tool_choice=choice,
                 parallel_tool_calls=body.parallel_tool_calls, response_format=response_format(body.text),
                 template_kwargs=kwargs, sampling=sampling, max_tokens=body.max_output_tokens, stop=body.stop,
-                seed=body.seed, num_draft=body.num_draft, stream=body.stream)
+                seed=body.seed, num_draft=body.num_draft, stream=body.stream, named=frozenset(body.model_fields_set))
 
 
 # -- the answer -------------------------------------------------------------------------------------
@@ -453,7 +454,7 @@ class Reply:
                    output=output.items, output_text=output.text(),
                    incomplete_details={"reason": "max_output_tokens"} if cut(done) else None,
                    usage={"input_tokens": done.prompt_tokens,
-                          "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+                          "input_tokens_details": {"cached_tokens": done.cached_tokens, "cache_write_tokens": 0},
                           "output_tokens": done.completion_tokens,
                           "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
                           "total_tokens": done.prompt_tokens + done.completion_tokens},
@@ -504,8 +505,11 @@ async def stream(job, reply: Reply, http, service):
     try:
         yield sse(output.event("response.created", response=reply.snapshot()))
         yield sse(output.event("response.in_progress", response=reply.snapshot()))
-        async with aclosing(events(job, http, service.worker.cancel)) as evs:
+        async with aclosing(events(job, http, service.worker.cancel, getattr(service, "keepalive", None))) as evs:
             async for event in evs:
+                if event is KEEPALIVE:  # nothing from the engine for a while (queued, prefilling): a comment line
+                    yield SSE_COMMENT
+                    continue
                 if isinstance(event, Done):
                     for e in output.finish(event):
                         yield sse(e)

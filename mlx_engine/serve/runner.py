@@ -13,8 +13,10 @@ from typing import AsyncIterator
 
 from starlette.concurrency import run_in_threadpool
 
+from . import sampling_defaults
 from .errors import APIError
 from .jobs import GONE, Done, Failed, Job, Request
+from .keepalive import KEEPALIVE
 from .turn import Prepared, Turn, prepare
 
 RETRY_AFTER_SECONDS = 1  # a 503's Retry-After: a place frees as soon as one request ends
@@ -59,6 +61,7 @@ async def start(turn: Turn, service, prefix: str = "chatcmpl-", arrived: float |
         except ValueError as e:
             raise APIError(400, str(e), param="max_tokens", code="memory_budget_exceeded") from None
     seed = turn.seed if turn.seed is not None else int.from_bytes(uuid.uuid4().bytes[:4], "little")
+    turn.sampling = sampling_defaults.apply(turn.sampling, turn.named, getattr(service, "sampling_defaults", {}))
     try:
         turn.sampling.check_vocab(service.vocab_size)
     except ValueError as e:
@@ -75,14 +78,19 @@ async def start(turn: Turn, service, prefix: str = "chatcmpl-", arrived: float |
     return job, prepared
 
 
-async def events(job: Job, http, cancel) -> AsyncIterator:
+async def events(job: Job, http, cancel, keepalive: float | None = None) -> AsyncIterator:
     """The job's events up to its Done (raises ClientLeft when the client went away, APIError 500 on Failed,
     SHUTTING_DOWN when the server stops past --shutdown-timeout). The job is cancelled whenever the reader
-    stops early."""
+    stops early. keepalive: seconds; after each such stretch with no event, KEEPALIVE (keepalive.py) is
+    yielded for a stream to write its API's ping (None or 0: never)."""
     watcher = asyncio.create_task(watch_disconnect(http, job, cancel))
     try:
         while True:
-            event = await job.events.get()
+            try:  # (a Queue.get cancelled by the timeout loses no event)
+                event = await asyncio.wait_for(job.events.get(), keepalive) if keepalive else await job.events.get()
+            except TimeoutError:
+                yield KEEPALIVE
+                continue
             if event is GONE or getattr(event, "finish_reason", None) == "cancelled":
                 raise ClientLeft()
             if isinstance(event, Failed):

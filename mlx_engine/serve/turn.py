@@ -35,6 +35,7 @@ class Turn:
     num_draft: int | str | None = None
     logprobs: int | None = None  # None: off; 0: the chosen tokens'; n: also the n most likely
     stream: bool = False
+    named: frozenset = frozenset()  # the body's fields it set: its sampling values win over the checkpoint's
 
     @property
     def offered(self) -> list[dict]:

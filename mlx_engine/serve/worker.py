@@ -217,4 +217,4 @@ class FairQueueWorker(WorkerBase):
         drafter = engine.drafter.name if engine.drafter is not None else None
         spec = speculation(s.drafted, s.accepted, s.cycles, s.generated, s.decode_time, drafter, s.forced,
                            s.forced_accepted)
-        out.finish(spec, "cancelled" if cancelled else None)
+        out.finish(spec, "cancelled" if cancelled else None, s.reused_tokens)
