@@ -35,6 +35,10 @@ def main(argv: list[str] | None = None) -> int:
     from .cache_command import add_cache_args
 
     add_cache_args(sub.add_parser("cache", help="list or clear the prefix cache's entries on disk"))
+    from .launch.command import add_launch_args
+
+    add_launch_args(sub.add_parser("launch", help="start a coding agent (claude, codex, opencode, qwen, aider) on "
+                                                  "this server, configured for it for this run only (see --help)"))
     sub.add_parser("train-mtp", help="train an MTP head for a model that ships none (see --help)", add_help=False)
     sub.add_parser("train-eagle3", help="train an EAGLE-3 head for a model (see --help)", add_help=False)
     sub.add_parser("train-dflash", help="train a DFlash block drafter for a model (see --help)", add_help=False)
@@ -68,6 +72,10 @@ def main(argv: list[str] | None = None) -> int:
             from .cache_command import run_cache
 
             return run_cache(args)
+        if args.command == "launch":
+            from .launch.command import run_launch
+
+            return run_launch(args)
     except cli.ERRORS as e:
         return cli.report_error(e)
     except KeyboardInterrupt:  # Ctrl-C: what was generated stays printed; no traceback
