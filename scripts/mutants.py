@@ -501,6 +501,25 @@ MUTANTS = [
            "    if False:",
            ("tests/test_prefix_disk.py", "-k", "damaged and flipped"),
            "a disk entry's checksum not checked on load: a flipped byte is served"),
+    # issue 54: what an agent reads from the server, and `launch`
+    Mutant("cached-tokens-zero", "mlx_engine/serve/batch.py",
+           'out.finish(spec, reason, s.get("reused_prompt_tokens", 0))', "out.finish(spec, reason, 0)",
+           ("tests/test_serve_agent_reads.py", "-k", "cached_tokens"),
+           "usage's cached tokens reported as 0 whatever the prefix cache saved"),
+    Mutant("keepalive-never-sent", "mlx_engine/serve/runner.py",
+           "await asyncio.wait_for(job.events.get(), keepalive) if keepalive else await job.events.get()",
+           "await job.events.get()",
+           ("tests/test_serve_agent_reads.py", "-k", "keepalive"),
+           "a stream stays silent while its prompt is prefilled: no keepalive, a client's idle timeout cuts it"),
+    Mutant("generation-config-ignored", "mlx_engine/serve/runner.py",
+           'turn.sampling = sampling_defaults.apply(turn.sampling, turn.named, getattr(service, "sampling_defaults", {}))',
+           "pass",
+           ("tests/test_serve_agent_reads.py", "-k", "checkpoint_sampling"),
+           "the checkpoint's generation_config.json sampling never applied: a request naming none gets greedy"),
+    Mutant("launch-window-unchecked", "mlx_engine/launch/agents.py",
+           "if agent.first_prompt <= window:", "if True:",
+           ("tests/test_launch.py", "-k", "smaller"),
+           "an agent started on a model whose window cannot hold its first request"),
 ]
 
 
