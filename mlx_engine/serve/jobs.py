@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass, field
 
 from ..sampling import SamplingConfig
-from ..toolcalls.stream import Splitter, Text
+from ..toolcalls.stream import Text, reader_for
 from .stream import TextStream
 
 _ids = itertools.count(1)
@@ -103,7 +103,7 @@ class Output:
         answer = job.request.answer
         keep = marker_ids(tokenizer, answer) if answer is not None else frozenset()
         self.stream = TextStream(tokenizer, special - keep, job.request.stop, keep_special=bool(keep))
-        self.splitter = Splitter(answer.fmt, answer.think, answer.reasoning, list(answer.tools)) \
+        self.splitter = reader_for(answer.fmt, answer.think, answer.reasoning, list(answer.tools)) \
             if answer is not None else None
         self.generated = 0
         self.finish_reason: str | None = None
@@ -143,8 +143,9 @@ class Output:
     def _entry(self, lp) -> dict:
         return {**self._token(lp.token, lp.logprob), "top_logprobs": [self._token(t, v) for t, v in lp.top]}
 
-    def _put(self, text: str, last: bool = False) -> None:
-        """Text on its way out: split (reasoning, content, calls) when the request has an answer spec."""
+    def _put(self, text: str, last: bool = False, truncated: bool = False) -> None:
+        """Text on its way out: split (reasoning, content, calls) when the request has an answer spec; last: the
+        answer ended (truncated: at its token limit, so a call still open was never finished)."""
         if self.splitter is None:
             if text:
                 self.job.put(Text("content", text))
@@ -152,12 +153,12 @@ class Output:
         for event in self.splitter.feed(text) if text else []:
             self.job.put(event)
         if last:
-            for event in self.splitter.finish():
+            for event in self.splitter.finish(truncated=truncated):
                 self.job.put(event)
 
     def finish(self, speculation: dict, reason: str | None = None, cached_tokens: int = 0) -> None:
-        self._put(self.stream.finish() if not self.stream.stopped else "", last=True)
         reason = reason or self.finish_reason or "length"
+        self._put(self.stream.finish() if not self.stream.stopped else "", last=True, truncated=reason == "length")
         if reason == "stop" and self.splitter is not None and self.splitter.made_calls:
             reason = "tool_calls"
         self.job.put(Done(reason, len(self.job.request.prompt), self.generated, speculation,
@@ -166,12 +167,18 @@ class Output:
 
 def marker_ids(tokenizer, answer) -> frozenset[int]:
     """Ids of the special tokens whose text the splitter reads (`<think>`, `<tool_call>`, DeepSeek's call
-    markers): kept in the text, where every other special token is dropped."""
+    markers, every marker a format lists): kept in the text, where every other special token is dropped."""
     from .turn import marker_texts
 
     inner = getattr(tokenizer, "_tokenizer", tokenizer)
     vocab = inner.get_vocab() if hasattr(inner, "get_vocab") else {}
-    return frozenset(vocab[m] for m in marker_texts(answer) if m in vocab)
+    out = set()
+    for m in marker_texts(answer):
+        if m in vocab:
+            out.add(vocab[m])
+        elif hasattr(inner, "encode"):  # a marker of several tokens (Gemma 4's `<|channel>thought`): its special ones
+            out.update(inner.encode(m, add_special_tokens=False))
+    return frozenset(out)
 
 
 def speculation(drafted: int, accepted: int, cycles: int, generated: int, decode_time: float, drafter: str | None,

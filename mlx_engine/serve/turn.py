@@ -95,7 +95,7 @@ def marker_texts(answer: AnswerSpec) -> list[str]:
     """The texts the splitter reads that a tokenizer may hold as special tokens."""
     out = list(answer.think or ())
     if answer.fmt is not None:
-        out += [answer.fmt.start, answer.fmt.end, DS_CALL_BEGIN, DS_CALL_END, DS_SEP, PYTHON_TAG]
+        out += [answer.fmt.start, answer.fmt.end, *answer.fmt.markers, DS_CALL_BEGIN, DS_CALL_END, DS_SEP, PYTHON_TAG]
     return [m for m in out if m]
 
 

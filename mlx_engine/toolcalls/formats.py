@@ -62,6 +62,8 @@ class ToolFormat:
     native: bool  # the model's chat template renders tools, calls and results
     parse: Callable[[str, list], list[Call]]  # the text between start and end -> its calls
     streams_arguments: bool = False  # a JSON body {"name", "arguments"}: arguments stream in pieces
+    markers: tuple[str, ...] = ()  # every other text its parser reads (kept where the tokenizer has it special)
+    reader: Callable | None = None  # its own stream reader (reader(fmt, think, reasoning, tools)), else Splitter
 
 
 def _json_text(value) -> str:

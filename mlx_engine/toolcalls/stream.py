@@ -58,6 +58,15 @@ def _held(text: str, markers: list[str]) -> int:
     return hold
 
 
+def reader_for(fmt: ToolFormat | None, think: tuple[str, str] | None = None, reasoning: bool = False,
+               tools: list | None = None):
+    """The stream reader of an answer in this format: the format's own (Harmony's channels, DSML) or the
+    marker splitter. Each has feed(text) -> events, finish(truncated) -> events and made_calls."""
+    if fmt is not None and fmt.reader is not None:
+        return fmt.reader(fmt, think, reasoning, tools)
+    return Splitter(fmt, think, reasoning, tools)
+
+
 class Splitter:
     def __init__(self, fmt: ToolFormat | None, think: tuple[str, str] | None = None, reasoning: bool = False,
                  tools: list | None = None):
@@ -85,12 +94,16 @@ class Splitter:
             pass
         return out
 
-    def finish(self) -> list:
-        """The end of the answer: what is held back, and a call its end marker never closed."""
+    def finish(self, truncated: bool = False) -> list:
+        """The end of the answer: what is held back, and a call its end marker never closed. truncated: the answer
+        was cut at its token limit, so an open call was never finished: it is content, never a call."""
         out: list = []
         if self.state == "reasoning":
             if self.buf:
                 out.append(Text("reasoning", self.buf))
+        elif (self.state == "call" or self.whole_answer) and truncated and self.args_at is None:
+            self._content(out, self.space_before + (self.fmt.start if self.state == "call" else "") + self.body
+                          + self.buf)
         elif self.state == "call" or self.whole_answer:
             self.body += self.buf
             self._close_call(out, at_end=True)
