@@ -5,7 +5,6 @@ already running used and left running, and a model whose window is smaller than 
 refused before the agent starts."""
 
 import json
-import os
 import stat
 import sys
 import urllib.request
