@@ -118,7 +118,7 @@ def check(agent: str, got: dict, url: str, model: str, window: int) -> None:
         assert env["OPENAI_API_BASE"] == url + "/v1" and env["AIDER_MODEL"] == f"openai/{model}"
         metadata = json.loads(got["files"]["AIDER_MODEL_METADATA_FILE"])[f"openai/{model}"]
         assert metadata["max_input_tokens"] == window and env["AIDER_TIMEOUT"] == str(TIMEOUT_SECONDS)
-        assert env["AIDER_ANALYTICS_DISABLE"] == "true" and env["AIDER_CHECK_UPDATE"] == "false"
+        assert env["AIDER_ANALYTICS"] == "false" and env["AIDER_CHECK_UPDATE"] == "false"
 
 
 @pytest.mark.parametrize("agent", sorted(AGENTS))

@@ -124,8 +124,9 @@ def qwen(s: Server) -> Setup:
 
 def aider(s: Server) -> Setup:
     """aider: LiteLLM's openai/ provider at the server through OPENAI_API_BASE, its AIDER_* variables for the
-    model, a model-metadata file (the window aider budgets by, no cost), the timeout, and analytics and update
-    checks off."""
+    model, a model-metadata file (the window aider budgets by, no cost), the timeout, and analytics (for this
+    session: AIDER_ANALYTICS, not AIDER_ANALYTICS_DISABLE, which writes "disabled" into ~/.aider for good) and
+    update checks off."""
     name = f"openai/{s.model}"
     metadata = {name: {"max_input_tokens": s.context_length, "max_tokens": s.context_length,
                        "max_output_tokens": output_tokens(s.context_length), "input_cost_per_token": 0.0,
@@ -133,7 +134,7 @@ def aider(s: Server) -> Setup:
     return Setup(env={"OPENAI_API_BASE": s.url + "/v1", "OPENAI_API_KEY": s.key, "AIDER_MODEL": name,
                       "AIDER_WEAK_MODEL": name, "AIDER_EDITOR_MODEL": name,
                       "AIDER_MODEL_METADATA_FILE": "{dir}/aider-models.json", "AIDER_TIMEOUT": str(TIMEOUT_SECONDS),
-                      "AIDER_ANALYTICS_DISABLE": "true", "AIDER_CHECK_UPDATE": "false",
+                      "AIDER_ANALYTICS": "false", "AIDER_CHECK_UPDATE": "false",
                       "AIDER_SHOW_RELEASE_NOTES": "false", "AIDER_SHOW_MODEL_WARNINGS": "false"},
                  files={"aider-models.json": json.dumps(metadata, indent=1)})
 
