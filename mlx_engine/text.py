@@ -23,8 +23,35 @@ def decode(tokenizer, tokens, special: frozenset[int] | None = None, keep_specia
     """The text of `tokens` without the `special` ones (default: every special token); keep_special: special
     tokens not in `special` are decoded as their text (markers a reader looks for)."""
     special = special_ids(tokenizer) if special is None else special
-    ids = visible(tokens, special)
+    return decode_visible(tokenizer, visible(tokens, special), keep_special)
+
+
+def decode_visible(tokenizer, ids: list[int], keep_special: bool = False) -> str:
+    """decode() of ids already rid of the dropped special tokens (a stream keeps them so, every step)."""
+    direct = _direct_decode(tokenizer)
+    if direct is not None:
+        return direct(token_ids=ids, skip_special_tokens=not keep_special)
     try:
         return tokenizer.decode(ids, skip_special_tokens=not keep_special)
     except TypeError:  # a tokenizer without the keyword
         return tokenizer.decode(ids)
+
+
+def _direct_decode(tokenizer):
+    """A transformers tokenizer's own `_decode`, where its `decode` only converts the ids first: the same text,
+    without transformers' walk over every id's type (most of a stream's decode time: the stream decodes its whole
+    answer each step). None for anything else (a tokenizer that overrides decode keeps its own)."""
+    inner = getattr(tokenizer, "_tokenizer", tokenizer)
+    cls = type(inner)
+    cached = _DIRECT.get(cls)
+    if cached is None:
+        try:
+            from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+        except ImportError:  # (not installed: mlx-lm needs it, but a bare tokenizer object may do)
+            PreTrainedTokenizerBase = None
+        cached = _DIRECT[cls] = bool(PreTrainedTokenizerBase is not None and issubclass(cls, PreTrainedTokenizerBase)
+                                     and cls.decode is PreTrainedTokenizerBase.decode)
+    return inner._decode if cached else None
+
+
+_DIRECT: dict[type, bool] = {}

@@ -26,7 +26,7 @@ class TextStream:
         if self.stopped:
             return ""
         self.ids += text_ops.visible(tokens, self.special)
-        self.text = text_ops.decode(self.tokenizer, self.ids, self.special, keep_special=self.keep_special)
+        self.text = text_ops.decode_visible(self.tokenizer, self.ids, keep_special=self.keep_special)
         cut = self._find_stop()
         if cut is not None:
             self.stopped = True
