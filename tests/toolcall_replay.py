@@ -41,6 +41,8 @@ class Profile:
     plain: tuple[str, ...] = ()  # markers it holds as ordinary added tokens (one token, not special)
     stops: tuple[str, ...] = ()  # the end-of-turn tokens a complete answer ends with (special)
     source: str = ""  # where the special status comes from
+    published_ids: tuple[tuple[int, str], ...] = ()  # (id, marker) in the published tokenizer: placed as the
+    # fixture's own output_token_ids place them (marker text the model wrote inside a value stays text)
 
 
 QWEN_TOKENS = dict(special=("<|im_start|>",), plain=("<tool_call>", "</tool_call>", "<think>", "</think>"),
@@ -109,7 +111,9 @@ PROFILES: dict[str, Profile] = {
         "<|message|>' }}",
         special=("<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>", "<|return|>", "<|call|>"),
         stops=("<|call|>", "<|return|>"),
-        source="openai/gpt-oss-20b tokenizer.json (o200k_harmony): the Harmony tokens special: true"),
+        source="openai/gpt-oss-20b tokenizer.json (o200k_harmony): the Harmony tokens special: true",
+        published_ids=((200002, "<|return|>"), (200003, "<|constrain|>"), (200005, "<|channel|>"),
+                       (200006, "<|start|>"), (200007, "<|end|>"), (200008, "<|message|>"), (200012, "<|call|>"))),
     "llama3": Profile(
         "{{- '<|python_tag|>' }}{{- '{\"name\": \"' + tool_call.name + '\", \"parameters\": ' }}",
         special=("<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|python_tag|>", "<|eom_id|>"),
@@ -193,11 +197,27 @@ def output_ids(fixture: Fixture) -> tuple[list[int], bool]:
     """The answer's token ids as the model emitted them, and whether it ended at max_tokens (no stop token)."""
     name = profile_name(fixture)
     tok = tokenizer(name)
-    ids = list(tok._tokenizer.encode(fixture.raw_output, add_special_tokens=False))
+    ids = _encoded(fixture, PROFILES[name], tok._tokenizer)
     truncated = "truncated" in fixture.tags
     if not truncated:
         ids.append(tok._tokenizer.convert_tokens_to_ids(_stop_token(name, fixture.raw_output)))
     return ids, truncated
+
+
+def _encoded(fixture: Fixture, p: Profile, hf) -> list[int]:
+    """raw_output's ids: where the profile knows the published tokenizer's marker ids and the fixture has its own
+    ids, a marker is a special token exactly where those ids hold it and text elsewhere (openai-harmony renders
+    `<|call|>` inside an argument as text tokens), else every marker text is its token."""
+    published = dict(p.published_ids)
+    if not published or not fixture.output_token_ids:
+        return list(hf.encode(fixture.raw_output, add_special_tokens=False))
+    raw, at, ids = fixture.raw_output, 0, []
+    for marker in (published[t] for t in fixture.output_token_ids if t in published):
+        i = raw.index(marker, at)
+        ids += hf.encode(raw[at:i], add_special_tokens=False, split_special_tokens=True) if i > at else []
+        ids.append(hf.convert_tokens_to_ids(marker))
+        at = i + len(marker)
+    return ids + (hf.encode(raw[at:], add_special_tokens=False, split_special_tokens=True) if at < len(raw) else [])
 
 
 def answer_spec(fixture: Fixture) -> AnswerSpec:
