@@ -1,5 +1,7 @@
-"""Lark rules for pythonic calls (LFM2 / LFM2.5, mlx-lm's `pythonic` parser), each argument held to its
-parameter's schema.
+"""Lark rules for pythonic calls (LFM2 / LFM2.5, mlx-lm's `pythonic` parser; Llama 4, llama.py), each argument
+held to its parameter's schema.
+
+Llama 4 writes the same list of calls as its whole answer, without LFM2's markers (`llama4_answer`).
 
 LFM2's models write `<|tool_call_start|>[NAME(key=VALUE, key=VALUE), NAME(...)]<|tool_call_end|>`: a Python
 list of calls with keyword arguments (their model cards; text may follow the closing token). mlx-lm's parser
@@ -56,8 +58,8 @@ def _arguments(name: str, params: dict) -> str:
     return separated(items, [key in required for key in props], COMMA)
 
 
-def pythonic_calls(tools: list[dict], tokenizer: llguidance.LLTokenizer, parallel: bool) -> tuple[str, str]:
-    """(the opener, Lark rules whose `rest` is everything after it to the end of the calls)."""
+def pythonic_list(tools: list[dict], parallel: bool) -> str:
+    """Lark rules whose `calls` is the list `[NAME(key=VALUE, ...), ...]` (one call unless parallel)."""
     alts = []
     for tool in tools:
         name, params = tool_parts(tool)
@@ -65,6 +67,19 @@ def pythonic_calls(tools: list[dict], tokenizer: llguidance.LLTokenizer, paralle
             raise UnwritableCall(f"tool {name!r}: a pythonic call names a Python identifier, not {name!r}")
         alts.append(f'{json.dumps(name + "(")} {_arguments(name, params)} ")"')
     more = f" ({COMMA} call)*" if parallel else ""
-    return OPEN, (f'rest: "[" call{more} "]" {_literal(CLOSE, tokenizer)}\n'
-                  f"call: {' | '.join(f'({a})' for a in alts)}\n"
-                  "ANY_KEY: /[A-Za-z_][A-Za-z0-9_]*/\n")
+    return (f'calls: "[" call{more} "]"\n'
+            f"call: {' | '.join(f'({a})' for a in alts)}\n"
+            "ANY_KEY: /[A-Za-z_][A-Za-z0-9_]*/\n")
+
+
+def pythonic_calls(tools: list[dict], tokenizer: llguidance.LLTokenizer, parallel: bool) -> tuple[str, str]:
+    """LFM2's: (the opener, Lark rules whose `rest` is everything after it to the end of the calls)."""
+    return OPEN, f"rest: calls {_literal(CLOSE, tokenizer)}\n" + pythonic_list(tools, parallel)
+
+
+def llama4_answer(tools: list[dict], parallel: bool, optional: bool) -> str:
+    """Llama 4's answer as Lark rules from `start` (llama.py's format: no opener, the calls are the answer):
+    the list of calls; optional (tool_choice auto): or text that does not begin with `[`, where its reader
+    would read a call."""
+    start = "start: FREE | calls\nFREE: /\\s*[^\\s\\[](?s:.*)/\n" if optional else "start: calls\n"
+    return start + pythonic_list(tools, parallel)
