@@ -1,0 +1,209 @@
+"""A stream reader for formats whose calls open at a marker and close where the call's own syntax says
+(Mistral's: the JSON value after `[ARGS]`, no end marker; Gemma 4's: `<tool_call|>` outside a `<|"|>` string),
+with reasoning between start and end markers (`[THINK]...[/THINK]`, `<|channel>thought\\n...<channel|>`).
+
+What a client gets (the rules of canitoolcall's spec, fixtures/spec/README.md, "Expected results"):
+- content: the text around calls as written, the pieces before, between and after calls concatenated with
+  nothing inserted or removed; only an answer whose content is nothing but whitespace beside its calls gets
+  none, and the whitespace right after the reasoning is not content;
+- reasoning: the text of each reasoning block, without the whitespace at its two ends (nor a channel's name);
+- calls: each one whole once its text closes, never while it is open: a marker inside a string of the
+  arguments is the argument's text. An answer cut at its token limit (finish(truncated=True)) returns no call
+  it had not closed; an unclosed call at the end of a finished answer is content, and so is text after the
+  opener that cannot be a call (the format's scanner says so as early as it can, then it is read as content).
+
+A format gives its opener, its reasoning marks, a scanner per call (`scanner()`: advance(text) -> (MORE | CALL
+| NOT, where the call's text ends)) and `parse(text) -> [Call]` (ToolCallError: the text is content).
+"""
+
+from __future__ import annotations
+
+from .formats import Call, ToolCallError, ToolFormat
+from .stream import CallArgs, CallStart, Text, call_id
+
+MORE, CALL, NOT = "more", "call", "not"  # what a call scanner says of the text after the opener
+
+
+def held(text: str, markers) -> int:
+    """Length of the longest tail of `text` that is a proper prefix of one of `markers`."""
+    hold = 0
+    for m in markers:
+        for n in range(min(len(m) - 1, len(text)), hold, -1):
+            if text.endswith(m[:n]):
+                hold = n
+                break
+    return hold
+
+
+class ReasoningMark:
+    """One reasoning block's markers: `head` is a channel name dropped right after `start` (Gemma 4's
+    `thought`); `anywhere`: `start` opens reasoning after content too (a control token, never text)."""
+
+    def __init__(self, start: str, end: str, head: str = "", anywhere: bool = False):
+        self.start, self.end, self.head, self.anywhere = start, end, head, anywhere
+
+
+class MarkedReader:
+    opener: str = ""
+    marks: tuple[ReasoningMark, ...] = ()
+
+    def scanner(self):  # a fresh scanner of one call's text (the text after the opener)
+        raise NotImplementedError
+
+    def parse(self, text: str) -> list[Call]:  # one call's text (as the scanner delimited it) -> its calls
+        raise NotImplementedError
+
+    def __init__(self, fmt: ToolFormat, think: tuple[str, str] | None = None, reasoning: bool = False,
+                 tools: list | None = None):
+        """think: the reasoning markers mlx-lm infers (used where the format's own do not cover them);
+        reasoning: the prompt left the answer inside a reasoning block."""
+        self.fmt, self.tools = fmt, tools or []
+        marks = list(self.marks)
+        if think and think[0] and think[1] and not any(
+                m.start.startswith(think[0]) or think[0].startswith(m.start) for m in marks):
+            marks.append(ReasoningMark(think[0], think[1]))
+        self.all_marks = marks
+        self.buf = ""
+        self.state = "content"  # | "reasoning" | "call"
+        self.mark: ReasoningMark | None = None  # the open reasoning block's
+        self.head = ""  # a channel name still to drop at the start of the block
+        if reasoning and marks:
+            end = think[1] if think and think[1] else marks[0].end
+            self._open_reasoning(next((m for m in marks if m.end == end), marks[0]), head=False)
+        self.scan = None
+        self.ids: list[str] = []  # the calls handed out
+        self.content_seen = False  # content other than whitespace handed out
+        self.space = ""  # whitespace-only content held until content or the end settles it
+        self.after_reasoning = False
+        self.reasoning_started = False  # this block's text began (its leading whitespace dropped)
+        self.reasoning_space = ""  # the block's trailing whitespace so far (dropped at its end)
+
+    # -- the public side ----------------------------------------------------------------------------
+    def feed(self, text: str) -> list:
+        self.buf += text
+        out: list = []
+        while self._step(out):
+            pass
+        return out
+
+    def finish(self, truncated: bool = False) -> list:
+        out: list = []
+        if self.state == "reasoning":
+            self._reasoning(out, self.buf)
+        elif self.state == "call":
+            if not truncated and self.buf.strip():  # a finished answer's unclosed call: its text is content
+                self._content(out, self.opener + self.buf)
+        elif self.buf:
+            self._content(out, self.buf)
+        self.buf = ""
+        if self.space and not self.ids:
+            out.append(Text("content", self.space))
+        self.space = ""
+        return out
+
+    @property
+    def made_calls(self) -> bool:
+        return bool(self.ids)
+
+    # -- the states ---------------------------------------------------------------------------------
+    def _step(self, out: list) -> bool:
+        if not self.buf:
+            return False
+        if self.state == "reasoning":
+            return self._reasoning_step(out)
+        if self.state == "call":
+            return self._call_step(out)
+        return self._content_step(out)
+
+    def _content_step(self, out: list) -> bool:
+        fresh = not self.content_seen and not self.ids
+        opens = [(self.opener, None)] + [(m.start, m) for m in self.all_marks if m.anywhere or fresh]
+        found = [(self.buf.find(text), text, m) for text, m in opens if text]
+        found = [f for f in found if f[0] >= 0]
+        if not found:
+            keep = held(self.buf, [t for t, _ in opens])
+            if len(self.buf) > keep:
+                self._content(out, self.buf[: len(self.buf) - keep])
+                self.buf = self.buf[len(self.buf) - keep :]
+            return False
+        at, text, mark = min(found, key=lambda f: (f[0], -len(f[1])))
+        if at:
+            self._content(out, self.buf[:at])
+        self.buf = self.buf[at + len(text) :]
+        if mark is None:
+            self.state, self.scan = "call", self.scanner()
+        else:
+            self._open_reasoning(mark)
+        return True
+
+    def _open_reasoning(self, mark: ReasoningMark, head: bool = True) -> None:
+        self.state, self.mark, self.head = "reasoning", mark, mark.head if head else ""
+        self.reasoning_started, self.reasoning_space = False, ""
+
+    def _reasoning_step(self, out: list) -> bool:
+        if self.head:
+            if self.buf.startswith(self.head):
+                self.buf, self.head = self.buf[len(self.head) :], ""
+            elif self.head.startswith(self.buf):
+                return False  # may still be the channel's name
+            else:
+                self.head = ""
+        end = self.mark.end
+        i = self.buf.find(end)
+        if i < 0:
+            keep = held(self.buf, [end])
+            self._reasoning(out, self.buf[: len(self.buf) - keep])
+            self.buf = self.buf[len(self.buf) - keep :]
+            return False
+        self._reasoning(out, self.buf[:i])
+        self.buf = self.buf[i + len(end) :]
+        self.state, self.mark, self.after_reasoning = "content", None, True
+        return True
+
+    def _call_step(self, out: list) -> bool:
+        kind, n = self.scan.advance(self.buf)
+        if kind == MORE:
+            return False
+        self.state, self.scan = "content", None
+        if kind == NOT:  # the opener begins no call: it is content, and what follows is read as content
+            self._content(out, self.opener)
+            return True
+        text, self.buf = self.buf[:n], self.buf[n:]
+        try:
+            calls = self.parse(text)
+        except ToolCallError:
+            self._content(out, self.opener + text)
+            return True
+        for c in calls:  # the model's own id where it wrote one (its template renders it back), unless repeated
+            self.ids.append(c.id if c.id and c.id not in self.ids else call_id())
+            out.append(CallStart(len(self.ids) - 1, self.ids[-1], c.name))
+            out.append(CallArgs(len(self.ids) - 1, c.arguments))
+        return True
+
+    # -- text out -----------------------------------------------------------------------------------
+    def _content(self, out: list, text: str) -> None:
+        if self.after_reasoning:
+            text = text.lstrip()
+            if not text:
+                return
+            self.after_reasoning = False
+        if self.content_seen:
+            out.append(Text("content", text))
+            return
+        self.space += text
+        if self.space.strip():
+            out.append(Text("content", self.space))
+            self.space, self.content_seen = "", True
+
+    def _reasoning(self, out: list, text: str) -> None:
+        if not self.reasoning_started:
+            text = text.lstrip()
+            if not text:
+                return
+            self.reasoning_started = True
+        text = self.reasoning_space + text
+        body = text.rstrip()
+        self.reasoning_space = text[len(body) :]
+        if body:
+            out.append(Text("reasoning", body))
+
