@@ -48,26 +48,27 @@ def read_header(header: str) -> tuple[str | None, str | None]:
     return (recipient.group(1) if recipient else None), (channels[-1] if channels else None)
 
 
-def _json_end_marker(body: str, at: int, markers: tuple[str, ...]) -> tuple[int, str] | None:
-    """The first of `markers` in `body` from `at` that stands outside a JSON string (body is JSON text)."""
-    in_string = escaped = False
-    for i in range(len(body)):
-        c = body[i]
-        if in_string:
-            if escaped:
-                escaped = False
-            elif c == "\\":
-                escaped = True
+class _JsonScan:
+    """Where a marker first stands outside the JSON strings of a body that grows (resumed where it stopped)."""
+
+    def __init__(self):
+        self.at, self.in_string, self.escaped = 0, False, False
+
+    def find(self, body: str, markers: tuple[str, ...]) -> tuple[int, str] | None:
+        while self.at < len(body):
+            c = body[self.at]
+            if self.in_string:
+                self.escaped, self.in_string = (False, True) if self.escaped else (c == "\\", c != '"')
             elif c == '"':
-                in_string = False
-            continue
-        if c == '"':
-            in_string = True
-        elif i >= at and c == "<":
-            for m in markers:
-                if body.startswith(m, i):
-                    return i, m
-    return None
+                self.in_string = True
+            elif c == "<":
+                for m in markers:
+                    if body.startswith(m, self.at):
+                        return self.at, m
+                if any(m.startswith(body[self.at:]) for m in markers):
+                    return None  # maybe a marker: decided when more text comes
+            self.at += 1
+        return None
 
 
 def parse_harmony_call(body: str, tools=None) -> list[Call]:
@@ -92,6 +93,7 @@ class HarmonyReader:
         self.kind = ""  # a text message's: "reasoning" | "content"
         self.name = ""  # a call message's function
         self.calls: list[str] = []
+        self.scan = _JsonScan()  # the current call body's JSON, read so far
 
     @property
     def made_calls(self) -> bool:
@@ -116,7 +118,7 @@ class HarmonyReader:
             out.append(Text(self.kind, rest))
         elif self.state == "call" and not truncated:
             self._close_call(out, rest)
-        self.buf, self.state = "", "header"
+        self.buf, self.state, self.scan = "", "header", _JsonScan()
         return out
 
     # -- the states ---------------------------------------------------------------------------------
@@ -165,14 +167,14 @@ class HarmonyReader:
         """A call's body to its end marker outside its JSON strings."""
         ends = (CALL, END, RETURN)
         if self.buf.lstrip()[:1] in ("{", "["):
-            hit = _json_end_marker(self.buf, 0, ends)
+            hit = self.scan.find(self.buf, ends)
         else:
             hits = [(i, m) for m in ends if (i := self.buf.find(m)) >= 0]
             hit = min(hits) if hits else None
         if hit is None:
             return False
         i, m = hit
-        body, self.buf = self.buf[:i], self.buf[i + len(m):]
+        body, self.buf, self.scan = self.buf[:i], self.buf[i + len(m):], _JsonScan()
         self._close_call(out, body)
         self.state = "header"
         return True
