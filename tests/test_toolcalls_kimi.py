@@ -175,6 +175,12 @@ def test_a_forced_kimi_k3_call_is_xtml_its_reader_reads_back(markers):
     m.consume(llg.tokenize_str(text) if markers == "text" else tok._tokenizer.encode(text, add_special_tokens=False))
     bits = np.unpackbits(m.mask()[0].view(np.uint8), bitorder="little")
     assert all(bits[e] for e in m.eos)  # the answer may end here
+    from mlx_engine.grammar import GrammarViolation
+
+    bad = text.replace(">insert<", ">delete<")  # a value off its enum is refused
+    with pytest.raises(GrammarViolation):
+        forced_call(KIMI_K3, [EDIT], llg).matcher().consume(
+            llg.tokenize_str(bad) if markers == "text" else tok._tokenizer.encode(bad, add_special_tokens=False))
 
 
 def test_a_forced_kimi_k2_call_is_read_back_by_our_reader():
