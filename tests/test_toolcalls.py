@@ -17,7 +17,9 @@ from transformers import PreTrainedTokenizerFast
 import grammar_util as gu
 from mlx_engine.toolcalls import CallArgs, CallStart, Splitter, Text, detect, template_input
 from mlx_engine.toolcalls.formats import DEEPSEEK, FUNCTION_GEMMA, GENERIC, JSON, LLAMA3, mlx_lm_format
+from mlx_engine.toolcalls.gemma4 import GEMMA4  # (our readers: detect() picks them for these families)
 from mlx_engine.toolcalls.grammars import forced_call
+from mlx_engine.toolcalls.mistral import MISTRAL
 from toolcall_templates import DEEPSEEK_TEMPLATE, JSON_TEMPLATE, LLAMA3_TEMPLATE
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
@@ -88,12 +90,23 @@ def test_published_formats_parse_into_calls_split_anywhere(fmt, text, content, c
         assert split(fmt, text, cuts)[:3] == whole[:3], cuts
 
 
-def test_json_calls_stream_the_name_first_then_the_arguments_in_pieces():
-    text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}\n</tool_call>'
-    _, _, calls, events = split(JSON, text, list(range(1, len(text))))  # a character at a time
-    kinds = [type(e).__name__ for e in events]
-    assert kinds[0] == "CallStart" and kinds.count("CallArgs") > 10  # arguments as they come
-    assert calls == [("get_weather", '{"city": "Paris", "unit": "c"}')]
+def test_a_json_call_comes_whole_at_its_end_marker_and_a_cut_one_never():
+    """No piece of a call before its end marker (a call the answer never finishes must never reach the client,
+    canitoolcall's spec); `</tool_call>` inside a JSON string is text; an answer cut at its token limit drops
+    the call it left open, markup included."""
+    text = ('<tool_call>\n{"name": "echo", "arguments": {"text": "Use <tool_call> ... </tool_call> tags."}}\n'
+            '</tool_call>')
+    s = Splitter(JSON, None, False, [WEATHER, ADD])
+    for i, ch in enumerate(text):  # a character at a time
+        events = s.feed(ch)
+        if i < len(text) - 1:
+            assert not any(isinstance(e, (CallStart, CallArgs)) for e in events), (i, events)
+    assert [type(e).__name__ for e in events] == ["CallStart", "CallArgs"]
+    assert events[0].name == "echo" and json.loads(events[1].text) == {"text": "Use <tool_call> ... </tool_call> tags."}
+    cut = Splitter(JSON, None, False, [WEATHER, ADD])
+    events = cut.feed('I will check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par')
+    events += cut.finish(truncated=True)
+    assert events == [Text("content", "I will check.")] and not cut.made_calls
 
 
 def test_reasoning_is_split_off_and_markers_inside_it_are_text():
@@ -157,8 +170,8 @@ def _calls_in(text: str, fmt) -> list:
 
 
 QWEN3_CODER, GLM47, LAGUNA = mlx_lm_format("qwen3_coder"), mlx_lm_format("glm47"), mlx_lm_format("laguna")
-KIMI_K2, MISTRAL, MINIMAX = mlx_lm_format("kimi_k2"), mlx_lm_format("mistral"), mlx_lm_format("minimax_m2")
-GEMMA4, PYTHONIC = mlx_lm_format("gemma4"), mlx_lm_format("pythonic")
+KIMI_K2, MINIMAX = mlx_lm_format("kimi_k2"), mlx_lm_format("minimax_m2")
+PYTHONIC = mlx_lm_format("pythonic")
 CONSTRAINED = [JSON, GENERIC, DEEPSEEK, KIMI_K2, MISTRAL, QWEN3_CODER, GLM47, LAGUNA, MINIMAX, GEMMA4, PYTHONIC,
                FUNCTION_GEMMA]
 

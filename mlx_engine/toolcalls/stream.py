@@ -8,20 +8,23 @@ The splitter takes text deltas (the markers' text included: `<think>`, `<tool_ca
 A marker is matched on the text, so one split over several deltas is found; a tail that may be the start
 of a marker is held back until the next delta settles it. Reasoning is what comes before the reasoning end
 marker when the answer opens inside it (the prompt opened it, or the answer starts with the start marker);
-it never reaches content or the tool-call parser. A JSON call's arguments stream in pieces as they arrive
-(its name once it is read); other formats' calls come whole when their end marker does. Content that is
-only whitespace beside calls is dropped. Text between markers that does not parse as a call is content.
+it never reaches content or the tool-call parser (a format may let a call open inside it: `calls_in_reasoning`).
+
+A call comes whole (CallStart, then all of its arguments in one CallArgs) once its end marker closes it, in
+every format: canitoolcall's spec (and a client's safety) admit no call that the answer never finished, not
+even one already streamed, so a call cannot be handed out before it is known to end. A JSON call's end marker
+is the first one after its object closes (`</tool_call>` inside a JSON string is text). An answer cut at its
+token limit (finish(truncated=True)) drops the call it left open: no call, and not its markup as content.
+Content that is only whitespace beside calls is dropped. Text between markers that does not parse as a call
+is content.
 """
 
 from __future__ import annotations
 
-import re
 import uuid
 from dataclasses import dataclass
 
-from .formats import ToolCallError, ToolFormat, json_value_end
-
-_NAME_THEN_ARGS = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*')
+from .formats import ToolCallError, ToolFormat, json_value_end, parse_json_call
 
 
 @dataclass(frozen=True)
@@ -68,6 +71,8 @@ def reader_for(fmt: ToolFormat | None, think: tuple[str, str] | None = None, rea
 
 
 class Splitter:
+    calls_in_reasoning = False  # a call opener inside the reasoning opens a call (and ends the reasoning)
+
     def __init__(self, fmt: ToolFormat | None, think: tuple[str, str] | None = None, reasoning: bool = False,
                  tools: list | None = None):
         """fmt: the model's tool-call format (None: no tools offered, nothing is parsed as a call); think: the
@@ -78,8 +83,9 @@ class Splitter:
         self.buf = ""
         self.body = ""  # the current call's text so far
         self.calls: list[str] = []  # ids of the calls begun
-        self.args_sent = 0  # characters of the current call's arguments handed out
-        self.args_at: int | None = None  # where its arguments begin in `body` (a streaming JSON call)
+        self.opener = ""  # the marker text that opened the current call ("" where the call's own text opens it)
+        self.in_reasoning = False  # the current call opened inside the reasoning
+        self.scan_at = 0  # where the next search for the current call's end marker starts in `body`
         self.started = False  # any content or call seen (a start marker opens reasoning only before)
         self.pending_space = ""  # whitespace-only content, held until non-space content settles it
         self.whole_answer = fmt is not None and fmt.start == ""  # llama3_json: the whole answer may be a call
@@ -101,9 +107,10 @@ class Splitter:
         if self.state == "reasoning":
             if self.buf:
                 out.append(Text("reasoning", self.buf))
-        elif (self.state == "call" or self.whole_answer) and truncated and self.args_at is None:
-            self._content(out, self.space_before + (self.fmt.start if self.state == "call" else "") + self.body
-                          + self.buf)
+        elif self.state == "call" and truncated and self.opener:
+            pass  # a call the answer never finished: no call, and its markup is not content either
+        elif (self.state == "call" or self.whole_answer) and truncated:
+            self._content(out, self.space_before + self.body + self.buf)
         elif self.state == "call" or self.whole_answer:
             self.body += self.buf
             self._close_call(out, at_end=True)
@@ -127,8 +134,16 @@ class Splitter:
         if self.state == "reasoning":
             end = self.think[1]
             i = self.buf.find(end)
+            if self.calls_in_reasoning and self.fmt is not None and self.fmt.start:
+                j = self.buf.find(self.fmt.start, 0, i if i >= 0 else len(self.buf))
+                if j >= 0:
+                    if j:
+                        out.append(Text("reasoning", self.buf[:j]))
+                    self.buf = self.buf[j + len(self.fmt.start) :]
+                    self._open_call(self.fmt.start, in_reasoning=True)
+                    return True
             if i < 0:
-                keep = _held(self.buf, [end])
+                keep = _held(self.buf, [end] + ([self.fmt.start] if self.calls_in_reasoning and self.fmt else []))
                 if len(self.buf) > keep:
                     out.append(Text("reasoning", self.buf[: len(self.buf) - keep]))
                     self.buf = self.buf[len(self.buf) - keep :]
@@ -150,16 +165,16 @@ class Splitter:
             if not self.started and stripped and stripped[0] in "{<":  # may be a call: decided at the end
                 return False
             self.whole_answer = False
-        start = self.fmt.start if self.fmt is not None else ""
-        i = self.buf.find(start) if start else -1
-        if i >= 0:
+        found = self._find_start(self.buf) if self.fmt is not None else None
+        if found is not None:
+            i, j = found
             if i:
                 self._content(out, self.buf[:i])
-            self.buf = self.buf[i + len(start) :]
-            self._open_call()
+            opener, self.buf = self.buf[i:j], self.buf[j:]
+            self._open_call(opener)
             return True
-        markers = ([start] if start else []) + ([self.think[0]] if not self.started and self.think else [])
-        keep = _held(self.buf, markers)
+        markers = [self.think[0]] if not self.started and self.think else []
+        keep = max(_held(self.buf, markers), self._start_held(self.buf) if self.fmt is not None else 0)
         if not self.started and self.think and self.think[0].startswith(self.buf.lstrip()):
             keep = len(self.buf)  # may still be the reasoning start marker
         if len(self.buf) > keep:
@@ -180,45 +195,54 @@ class Splitter:
             self.started = True
             out.append(Text("content", body))
 
-    def _open_call(self) -> None:
-        self.state, self.body, self.args_sent, self.args_at = "call", "", 0, None
+    # -- where calls open and close (a format's reader overrides these) ------------------------------
+    def _find_start(self, text: str) -> tuple[int, int] | None:
+        """(where a call opens in `text`, where its body begins), or None: the format's start marker."""
+        start = self.fmt.start
+        i = text.find(start) if start else -1
+        return (i, i + len(start)) if i >= 0 else None
+
+    def _start_held(self, text: str) -> int:
+        """Length of the tail of `text` that may still become a call's opening."""
+        return _held(text, [self.fmt.start]) if self.fmt.start else 0
+
+    def _call_end(self, text: str) -> int | None:
+        """Where the end marker that closes the call `text` (what follows its opener) begins, or None while the
+        text so far does not hold it. A JSON body's end marker is the first one after its object closes."""
+        end = self.fmt.end
+        if not end:
+            return None
+        i = text.find(end, self.scan_at)
+        while i >= 0:
+            if self.fmt.parse is not parse_json_call or _json_closed(text, i):
+                return i
+            i = text.find(end, i + 1)
+        self.scan_at = max(self.scan_at, len(text) - len(end) + 1)
+        return None
+
+    def _open_call(self, opener: str = "", in_reasoning: bool = False) -> None:
+        self.state, self.body, self.opener, self.in_reasoning, self.scan_at = "call", "", opener, in_reasoning, 0
         self.started = True
         self.space_before, self.pending_space = self.pending_space, ""  # whitespace before a call is not content
 
     def _call_step(self, out: list) -> bool:
-        end = self.fmt.end
-        i = self.buf.find(end) if end else -1
-        if i >= 0:
-            self.body += self.buf[:i]
-            self.buf = self.buf[i + len(end) :]
-            self._close_call(out, closed=True)
-            self.state = "content"
-            return True
-        keep = _held(self.buf, [end]) if end else 0
-        self.body += self.buf[: len(self.buf) - keep]
-        self.buf = self.buf[len(self.buf) - keep :]
-        if self.fmt.streams_arguments:
-            self._stream_arguments(out)
-        return False
+        text = self.body + self.buf
+        i = self._call_end(text)
+        if i is None:
+            self.body, self.buf = text, ""
+            return False
+        self.body, self.buf = text[:i], text[i + len(self.fmt.end) :]
+        self._close_call(out, closed=True)
+        return True
 
-    def _stream_arguments(self, out: list) -> None:
-        """A JSON call: its name once read, then its arguments' text as far as it has come."""
-        if self.args_at is None:
-            m = _NAME_THEN_ARGS.match(self.body)
-            if m is None:
-                return
-            self.args_at = m.end()
-            self.calls.append(call_id())
-            out.append(CallStart(len(self.calls) - 1, self.calls[-1], m.group(1)))
-        end = json_value_end(self.body, self.args_at)
-        upto = end if end is not None else len(self.body)
-        text = self.body[self.args_at : upto]
-        if self.args_sent == 0:
-            text = text.lstrip()
-            self.args_at = upto - len(text)
-        if len(text) > self.args_sent:
-            out.append(CallArgs(len(self.calls) - 1, text[self.args_sent :]))
-            self.args_sent = len(text)
+    def _not_a_call(self, out: list, text: str) -> None:
+        """A call's text that did not parse: content again (reasoning again where the call opened in it)."""
+        if self.in_reasoning:
+            self.state = "reasoning"
+            if text:
+                out.append(Text("reasoning", text))
+        else:
+            self._content(out, text)
 
     def _close_call(self, out: list, at_end: bool = False, closed: bool = False) -> None:
         """The call's text is complete: its calls, or (not a call) its text as content."""
@@ -227,17 +251,23 @@ class Splitter:
         if self.fmt is None:
             self._content(out, body)
             return
-        if self.args_at is not None:  # streamed: the rest of its arguments
-            self.body = body
-            self._stream_arguments(out)
-            self.body, self.args_at = "", None
-            return
         try:
             calls = self.fmt.parse(body, self.tools)
         except ToolCallError:  # not a call: its text, markers included, is content
-            self._content(out, self.space_before + self.fmt.start + body + (self.fmt.end if closed else ""))
+            self._not_a_call(out, ("" if self.in_reasoning else self.space_before) + self.opener + body
+                             + (self.fmt.end if closed else ""))
             return
+        if self.in_reasoning:  # a call inside the reasoning ended it
+            self.after_reasoning, self.in_reasoning = True, False
         for c in calls:  # the model's own id where it wrote one (its template renders it back), unless repeated
             self.calls.append(c.id if c.id and c.id not in self.calls else call_id())
             out.append(CallStart(len(self.calls) - 1, self.calls[-1], c.name))
             out.append(CallArgs(len(self.calls) - 1, c.arguments))
+
+
+def _json_closed(text: str, at: int) -> bool:
+    """Whether the call body `text[:at]` is done as far as JSON can tell: it is no JSON object (any end marker
+    ends it), or its object closes before `at` (an end marker inside one of its strings is text)."""
+    head = text[:at]
+    i = len(head) - len(head.lstrip())
+    return i == len(head) or head[i] != "{" or json_value_end(head, i) is not None
