@@ -106,6 +106,10 @@ def create_app(service: Service) -> FastAPI:
         app.add_middleware(RequireAPIKey, key=service.api_key)
     app.add_middleware(RequestLog)
 
+    @app.api_route("/", methods=["GET", "HEAD"])
+    async def root():  # clients probe the base URL before their first request (Claude Code: HEAD /)
+        return {"status": "ok", "model": service.model_id}
+
     @app.get("/health")
     async def health():
         return {"status": "ok", "model": service.model_id, **service.worker.status()}

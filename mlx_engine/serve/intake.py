@@ -19,7 +19,7 @@ from .errors import APIError, anthropic_error_response, error_response, invalid_
 # completions prompt of token ids ~7 bytes per id, so 8 MiB still carries ~1M ids. Beyond that a body
 # only costs memory and seconds of tokenizing before the context check refuses it.
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
-OPEN_PATHS = frozenset({"/health"})  # a liveness probe needs no key; it shows counts only
+OPEN_PATHS = frozenset({"/health", "/"})  # liveness probes need no key (Claude Code sends HEAD /); counts only
 
 
 class RequireAPIKey:
