@@ -31,7 +31,7 @@ test-all: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 # On a GPU machine, with MLX's CUDA or Metal back-end importable by $(GPU_PY) (no venv needed; for the
-# lent CUDA machines see README "On a GPU"): the fast suite minus the Metal emulator and the TUI, in the
+# lent CUDA machines see docs/gpu.md "On a GPU"): the fast suite minus the Metal emulator and the TUI, in the
 # GPU's own arithmetic (tests marked cpu_exact skip themselves there).
 GPU_PY ?= python3
 test-gpu:

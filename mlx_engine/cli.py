@@ -64,7 +64,8 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence tokens")
     p.add_argument("--grammar", metavar="SPEC",
                    help="structured output: json (any JSON object), json:SCHEMA_FILE, regex:PATTERN or lark:FILE; "
-                        "every token is one the grammar allows, its forced tokens are drafted (README)")
+                        "every token is one the grammar allows, its forced tokens are drafted "
+                        "(docs/structured-output.md)")
     p.add_argument("--json", action="store_true", help="print one JSON object: tokens, text, stats")
     p.add_argument("--trace", action="store_true", help="with --json: add one entry per verify cycle")
     p.add_argument("--prefill-step", type=count(1), default=512,

@@ -1,8 +1,8 @@
 """Grammars from what users send: an OpenAI `response_format`, the CLI's `--grammar`. Each compiles against
 the model's tokenizer or raises GrammarError naming what is wrong.
 
-And the pieces of the generic tool-call form a template without a tool section gets (README, "Structured
-output"): `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>` (its markers, one call's schema,
+And the pieces of the generic tool-call form a template without a tool section gets (docs/tool-calls.md):
+`<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>` (its markers, one call's schema,
 the system text that shows the tools); a call's grammar in each family's format is toolcalls/grammars.py's.
 Where the tokenizer holds a marker as one special token (Qwen's `<tool_call>`), `_literal` names that token,
 so the model writes it as it was trained to, not spelled out in pieces.

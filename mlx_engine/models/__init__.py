@@ -1,7 +1,7 @@
 """Loading models: a local folder (MLX or Hugging Face layout), a Hugging Face hub repo, or a GGUF file.
 
 On the CPU, floating-point weights are cast to float32: MLX's CPU matmuls are fast only in fp32 with
-OpenBLAS, and speculative decoding only pays there with fp32 weights (README, "Performance").
+OpenBLAS, and speculative decoding only pays there with fp32 weights (docs/getting-started.md, "On Linux CPU").
 """
 
 from dataclasses import dataclass

@@ -263,7 +263,7 @@ def _parser():
     p.prog = "python -m mlx_engine train-eagle3"
     p.description = ("Train an EAGLE-3 head for a target model by self-distillation from the frozen target, with "
                      "training-time test. Writes OUT/config.json + OUT/model.safetensors (the EAGLE-3 HF layout); "
-                     "use them with --drafter eagle3 --eagle3 OUT. README: 'EAGLE-3 drafters'.")
+                     "use them with --drafter eagle3 --eagle3 OUT. docs/drafters.md: 'EAGLE-3 drafters'.")
     for a in p._actions:
         if a.dest == "corpus":
             a.help = (".jsonl or .txt files (the target re-encodes them whole to read its layer features; the "

@@ -195,7 +195,8 @@ def _parser() -> ArgumentParser:
     p = ArgumentParser(prog="python -m mlx_engine train-mtp", formatter_class=HelpFormatter,
                        description="Train an MTP head for a target model that ships none, by self-distillation from the "
                                    "frozen target. Writes OUT/mtp.safetensors + OUT/mtp.json; use them with "
-                                   "--drafter mtp --mtp-weights OUT/mtp.safetensors. README: 'Training a head'.")
+                                   "--drafter mtp --mtp-weights OUT/mtp.safetensors. docs/training.md: "
+                                   "'Training a head'.")
     p.add_argument("--model", default=None,
                    help="target model: path, hub id or .gguf (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--out", required=True, help="output folder: the head, checkpoints, the corpus (required)")
