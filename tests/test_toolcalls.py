@@ -112,7 +112,7 @@ def test_reasoning_is_split_off_and_markers_inside_it_are_text():
     text = 'I should call <tool_call> maybe.\n</think>\n\n<tool_call>\n{"name": "add", "arguments": {"b": 1, "a": 2}}\n</tool_call>'
     for cuts in ([], list(range(1, len(text), 3)), [5, 17, 40]):
         reasoning, content, calls, _ = split(JSON, text, cuts, think, reasoning=True)
-        assert reasoning == "I should call <tool_call> maybe.\n" and content == ""
+        assert reasoning == "I should call <tool_call> maybe." and content == ""  # (the template's newline not)
         assert calls == [("add", '{"b": 1, "a": 2}')]
     opened = "<think>hmm</think>The answer is 4."  # the model opens its reasoning itself
     assert split(JSON, opened, [3, 9], think)[:3] == ("hmm", "The answer is 4.", [])

@@ -82,9 +82,9 @@ def test_left_out_close_tags_and_calls_without_their_opener():
 
 def test_a_call_inside_the_reasoning_ends_it_and_a_cut_call_is_never_returned():
     text = "Need the directory.\n<tool_call>\n<function=write_file>\n<parameter=path>\n.\n</parameter>\n</function>\n</tool_call>"
-    assert every_split(QWEN3_XML, text, reasoning=True) == ("Need the directory.\n", "", [("write_file", {"path": "."})])
+    assert every_split(QWEN3_XML, text, reasoning=True) == ("Need the directory.", "", [("write_file", {"path": "."})])
     cut = "Sure.\n</think>\n\nOk.\n<tool_call>\n<function=write_file>\n<parameter=content>\nrm -rf /"
-    assert every_split(QWEN3_XML, cut, reasoning=True, truncated=True) == ("Sure.\n", "Ok.", [])
+    assert every_split(QWEN3_XML, cut, reasoning=True, truncated=True) == ("Sure.", "Ok.", [])
     hermes = 'Ok.\n<tool_call>\n{"name": "write_file", "arguments": {"path": "a.md", "content": "</tool_call>"}}\n</tool_call>'
     assert every_split(JSON, hermes) == ("", "Ok.", [("write_file", {"path": "a.md", "content": "</tool_call>"})])
     assert every_split(JSON, hermes[:-20], truncated=True) == ("", "Ok.", [])

@@ -9,6 +9,7 @@ A marker is matched on the text, so one split over several deltas is found; a ta
 of a marker is held back until the next delta settles it. Reasoning is what comes before the reasoning end
 marker when the answer opens inside it (the prompt opened it, or the answer starts with the start marker);
 it never reaches content or the tool-call parser (a format may let a call open inside it: `calls_in_reasoning`).
+The whitespace the chat template writes inside the reasoning markers (`<think>\n...\n</think>`) is not reasoning.
 
 A call comes whole (CallStart, then all of its arguments in one CallArgs) once its end marker closes it, in
 every format: canitoolcall's spec (and a client's safety) admit no call that the answer never finished, not
@@ -86,6 +87,8 @@ class Splitter:
         self.opener = ""  # the marker text that opened the current call ("" where the call's own text opens it)
         self.in_reasoning = False  # the current call opened inside the reasoning
         self.scan_at = 0  # where the next search for the current call's end marker starts in `body`
+        self.reasoning_sent = False  # any reasoning text handed out
+        self.reasoning_space = ""  # whitespace at the reasoning's end so far, held until more reasoning follows
         self.started = False  # any content or call seen (a start marker opens reasoning only before)
         self.pending_space = ""  # whitespace-only content, held until non-space content settles it
         self.whole_answer = fmt is not None and fmt.start == ""  # llama3_json: the whole answer may be a call
@@ -105,8 +108,7 @@ class Splitter:
         was cut at its token limit, so an open call was never finished: it is content, never a call."""
         out: list = []
         if self.state == "reasoning":
-            if self.buf:
-                out.append(Text("reasoning", self.buf))
+            self._reasoning(out, self.buf)
         elif self.state == "call" and truncated and self.opener:
             pass  # a call the answer never finished: no call, and its markup is not content either
         elif (self.state == "call" or self.whole_answer) and truncated:
@@ -137,19 +139,18 @@ class Splitter:
             if self.calls_in_reasoning and self.fmt is not None and self.fmt.start:
                 j = self.buf.find(self.fmt.start, 0, i if i >= 0 else len(self.buf))
                 if j >= 0:
-                    if j:
-                        out.append(Text("reasoning", self.buf[:j]))
+                    self._reasoning(out, self.buf[:j])
                     self.buf = self.buf[j + len(self.fmt.start) :]
                     self._open_call(self.fmt.start, in_reasoning=True)
                     return True
             if i < 0:
                 keep = _held(self.buf, [end] + ([self.fmt.start] if self.calls_in_reasoning and self.fmt else []))
                 if len(self.buf) > keep:
-                    out.append(Text("reasoning", self.buf[: len(self.buf) - keep]))
+                    self._reasoning(out, self.buf[: len(self.buf) - keep])
                     self.buf = self.buf[len(self.buf) - keep :]
                 return False
-            if i:
-                out.append(Text("reasoning", self.buf[:i]))
+            self._reasoning(out, self.buf[:i])
+            self.reasoning_space = ""  # (the template's newline before the end marker)
             self.buf = self.buf[i + len(end) :]
             self.state, self.after_reasoning = "content", True
             return True
@@ -181,6 +182,18 @@ class Splitter:
             self._content(out, self.buf[: len(self.buf) - keep])
             self.buf = self.buf[len(self.buf) - keep :]
         return False
+
+    def _reasoning(self, out: list, text: str) -> None:
+        """Reasoning text out without the whitespace the template writes inside its markers: leading whitespace
+        before any reasoning and trailing whitespace are held, sent only when more reasoning follows them."""
+        text = self.reasoning_space + text
+        if not self.reasoning_sent:
+            text = text.lstrip()
+        body = text.rstrip()
+        self.reasoning_space = text[len(body):]
+        if body:
+            self.reasoning_sent = True
+            out.append(Text("reasoning", body))
 
     def _content(self, out: list, text: str) -> None:
         """Content text out, its trailing whitespace held: dropped when a call follows, else sent with the
@@ -239,8 +252,7 @@ class Splitter:
         """A call's text that did not parse: content again (reasoning again where the call opened in it)."""
         if self.in_reasoning:
             self.state = "reasoning"
-            if text:
-                out.append(Text("reasoning", text))
+            self._reasoning(out, text)
         else:
             self._content(out, text)
 
