@@ -17,7 +17,9 @@ from transformers import PreTrainedTokenizerFast
 import grammar_util as gu
 from mlx_engine.toolcalls import CallArgs, CallStart, Splitter, Text, detect, template_input
 from mlx_engine.toolcalls.formats import DEEPSEEK, FUNCTION_GEMMA, GENERIC, JSON, LLAMA3, mlx_lm_format
+from mlx_engine.toolcalls.gemma4 import GEMMA4  # (our readers: detect() picks them for these families)
 from mlx_engine.toolcalls.grammars import forced_call
+from mlx_engine.toolcalls.mistral import MISTRAL
 from toolcall_templates import DEEPSEEK_TEMPLATE, JSON_TEMPLATE, LLAMA3_TEMPLATE
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
@@ -168,8 +170,8 @@ def _calls_in(text: str, fmt) -> list:
 
 
 QWEN3_CODER, GLM47, LAGUNA = mlx_lm_format("qwen3_coder"), mlx_lm_format("glm47"), mlx_lm_format("laguna")
-KIMI_K2, MISTRAL, MINIMAX = mlx_lm_format("kimi_k2"), mlx_lm_format("mistral"), mlx_lm_format("minimax_m2")
-GEMMA4, PYTHONIC = mlx_lm_format("gemma4"), mlx_lm_format("pythonic")
+KIMI_K2, MINIMAX = mlx_lm_format("kimi_k2"), mlx_lm_format("minimax_m2")
+PYTHONIC = mlx_lm_format("pythonic")
 CONSTRAINED = [JSON, GENERIC, DEEPSEEK, KIMI_K2, MISTRAL, QWEN3_CODER, GLM47, LAGUNA, MINIMAX, GEMMA4, PYTHONIC,
                FUNCTION_GEMMA]
 

@@ -61,7 +61,6 @@ class ToolFormat:
     end: str  # the text that closes it; "" = the end of the answer
     native: bool  # the model's chat template renders tools, calls and results
     parse: Callable[[str, list], list[Call]]  # the text between start and end -> its calls
-    streams_arguments: bool = False  # a JSON body {"name", "arguments"}: arguments stream in pieces
     markers: tuple[str, ...] = ()  # every other text its parser reads (kept where the tokenizer has it special)
     reader: Callable | None = None  # its own stream reader (reader(fmt, think, reasoning, tools)), else Splitter
 
@@ -131,26 +130,50 @@ def parse_json_call(body: str, tools=None) -> list[Call]:
 
 
 def parse_deepseek(block: str, tools=None) -> list[Call]:
-    calls = []
-    for part in block.split(DS_CALL_BEGIN)[1:]:
-        part = part.split(DS_CALL_END)[0]
-        if DS_SEP not in part:
+    """DeepSeek V3 / R1's `<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\\n```json\\n{...}\\n```<｜tool▁call▁end｜>` and
+    V3.1's `<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{...}<｜tool▁call▁end｜>` per call (their chat templates; vLLM's
+    deepseekv3 / deepseekv31 tool parsers), read in order: each call's arguments to the end of their JSON
+    object, so marker text inside a string value is part of the value, never the call's end."""
+    calls, pos = [], 0
+    while (pos := _skip_space(block, pos)) < len(block):
+        if not block.startswith(DS_CALL_BEGIN, pos):
+            raise ToolCallError("a DeepSeek tool-call block with text that is no call")
+        sep = block.find(DS_SEP, pos)
+        if sep < 0:
             raise ToolCallError("a DeepSeek tool call without its separator")
-        head, rest = part.split(DS_SEP, 1)
+        head, pos = block[pos + len(DS_CALL_BEGIN) : sep], sep + len(DS_SEP)
         if head.strip() == "function":  # V3 / R1: function<sep>NAME\n```json\n{...}\n```
-            name, _, body = rest.partition("\n")
-            body = re.sub(r"^\s*```(?:json)?\s*|\s*```\s*$", "", body)
+            line = block.find("\n", pos)
+            name, pos = (block[pos:line], line) if line >= 0 else (block[pos:], len(block))
+            pos = _DS_FENCE_OPEN.match(block, pos).end()
         else:  # V3.1: NAME<sep>{...}
-            name, body = head, rest
-        body = body.strip()
+            name = head
+        end = json_value_end(block, pos)
+        body = block[pos:end].strip() if end is not None else ""
         try:
-            json.loads(body)
+            args = json.loads(body)
         except json.JSONDecodeError as e:
             raise ToolCallError(f"DeepSeek tool call arguments that are not JSON: {e}") from None
+        if not isinstance(args, dict):
+            raise ToolCallError("DeepSeek tool call arguments that are no JSON object")
+        pos = _DS_FENCE_CLOSE.match(block, end).end() if head.strip() == "function" else end
+        pos = _skip_space(block, pos)
+        if not block.startswith(DS_CALL_END, pos):
+            raise ToolCallError("a DeepSeek tool call not closed after its arguments")
+        pos += len(DS_CALL_END)
         calls.append(Call(name.strip(), body))
     if not calls:
         raise ToolCallError("a DeepSeek tool-call block without calls")
     return calls
+
+
+_DS_FENCE_OPEN, _DS_FENCE_CLOSE = re.compile(r"\s*```(?:json)?\s*"), re.compile(r"\s*```")
+
+
+def _skip_space(text: str, pos: int) -> int:
+    while pos < len(text) and text[pos].isspace():
+        pos += 1
+    return pos
 
 
 def parse_llama3(text: str, tools=None) -> list[Call]:
@@ -182,10 +205,20 @@ def parse_function_gemma(body: str, tools=None) -> list[Call]:
     return [Call(m.group(1), _json_text(arguments))]
 
 
-JSON = ToolFormat("json", "<tool_call>", "</tool_call>", True, parse_json_call, streams_arguments=True)
-GENERIC = ToolFormat("generic", "<tool_call>", "</tool_call>", False, parse_json_call, streams_arguments=True)
+JSON = ToolFormat("json", "<tool_call>", "</tool_call>", True, parse_json_call)
+GENERIC = ToolFormat("generic", "<tool_call>", "</tool_call>", False, parse_json_call)
 DEEPSEEK = ToolFormat("deepseek_v3", DS_CALLS_BEGIN, DS_CALLS_END, True, parse_deepseek)
-LLAMA3 = ToolFormat("llama3_json", "", "", True, parse_llama3)
+
+
+def _llama3_reader(fmt, think=None, reasoning=False, tools=None):
+    from .llama import llama3_reader  # (llama.py reads this module)
+
+    return llama3_reader(fmt, think, reasoning, tools)
+
+
+# the header tokens are text a call's JSON string may hold (kept through the text stream where special)
+LLAMA3 = ToolFormat("llama3_json", "", "", True, parse_llama3, markers=("<|start_header_id|>", "<|end_header_id|>"),
+                    reader=_llama3_reader)
 FUNCTION_GEMMA = ToolFormat("function_gemma", FG_CALL_START, FG_CALL_END, True, parse_function_gemma)
 
 
@@ -248,10 +281,23 @@ def detect(tokenizer) -> ToolFormat:
     """The format of this model: the parser its checkpoint names, else read from its chat template (and
     mlx-lm's own inference), as mlx-lm chooses the parser that reads its calls."""
     template = _template(tokenizer)
+    from .dsml import dsml_format  # (DeepSeek V3.2 / V4 / V4.1: the template's DSML, or mlx-lm's DSML renderer)
+
+    dsml = dsml_format(tokenizer, template)
+    if dsml is not None:
+        return dsml
     if "tool▁calls▁begin" in template:
         return DEEPSEEK
+    if "<|header_start|>" in template:  # Llama 4's headers: its pythonic calls (llama.py)
+        from .llama import LLAMA4
+
+        return LLAMA4
     if PYTHON_TAG in template and "parameters" in template:
         return LLAMA3
+    if "<|channel|>" in template and "<|message|>" in template:  # gpt-oss's Harmony (harmony.py)
+        from .harmony import HARMONY
+
+        return HARMONY
     name = _declared_parser(tokenizer)
     try:  # mlx-lm's inference from the template and vocabulary (a private helper: its absence is no error)
         from mlx_lm.tokenizer_utils import _infer_tool_parser
@@ -261,6 +307,30 @@ def detect(tokenizer) -> ToolFormat:
         pass
     if name == "function_gemma":  # (our reader: mlx-lm's reads scalars only)
         return FUNCTION_GEMMA
+    if name == "glm47":  # (glm.py: mlx-lm's strips string values and cuts one at a `</tool_call>` inside it)
+        from .glm import GLM
+
+        return GLM
+    if name == "kimi_k2":  # (kimi_k2.py: mlx-lm's cuts arguments at a `<|tool_call_end|>` inside a string)
+        from .kimi_k2 import KIMI_K2
+
+        return KIMI_K2
+    if name == "kimi_k3":  # (kimi_k3.py: XTML's channels, read by our reader)
+        from .kimi_k3 import KIMI_K3
+
+        return KIMI_K3
+    if name == "mistral":  # (mistral.py: mlx-lm's names a call by its [CALL_ID], splits no [THINK] reasoning)
+        from .mistral import MISTRAL
+
+        return MISTRAL
+    if name == "gemma4":  # (gemma4.py: mlx-lm's reads a string's <|"|> or keys with spaces as calls' ends)
+        from .gemma4 import GEMMA4
+
+        return GEMMA4
+    if name == "qwen3_coder":  # (qwen3_xml.py: mlx-lm's cuts a value at a `</parameter>` inside it)
+        from .qwen3_xml import QWEN3_XML
+
+        return QWEN3_XML
     if name and name != "json_tools":
         return mlx_lm_format(name)
     if "tools" in template and "<tool_call>" in template:

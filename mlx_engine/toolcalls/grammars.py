@@ -11,9 +11,10 @@
 
 The formats: with JSON arguments (json_grammars.py) json, generic, deepseek_v3 (V3 and V3.1), kimi_k2,
 mistral and Llama 3's bare JSON; the XML-like qwen3_coder, glm47 (laguna's too) and minimax_m2
-(xml_grammars.py); Gemma 4's and FunctionGemma's (gemma4_grammar.py); LFM2's pythonic calls
-(pythonic_grammar.py). mlx-lm's other parsers (kimi_k3, longcat, minicpm5, muse_spark) have none: their calls
-are parsed, not constrained (README says which).
+(xml_grammars.py); Gemma 4's and FunctionGemma's (gemma4_grammar.py); LFM2's pythonic calls and Llama 4's
+(the same list as the whole answer, no markers) (pythonic_grammar.py). Kimi K3's XTML when a call is forced
+(kimi_k3_grammar.py; under auto its calls are parsed). mlx-lm's other parsers (longcat, minicpm5, muse_spark)
+have none: their calls are parsed, not constrained (README says which).
 Llama 3's calls have no opener (the answer is the call's JSON): under auto its text may not begin with `{`
 (nor `<` where `<|python_tag|>` is text), which is where its parser would read a call.
 """
@@ -29,7 +30,7 @@ from .dsml_grammar import dsml_builders
 from .gemma4_grammar import function_gemma_calls, gemma4_calls
 from .json_grammars import deepseek_calls, json_block_calls, kimi_k2_calls, llama3_call, mistral_calls
 from .lark_items import text_until, text_without
-from .pythonic_grammar import pythonic_calls
+from .pythonic_grammar import llama4_answer, pythonic_calls
 from .xml_grammars import glm47_calls, minimax_m2_calls, qwen3_coder_calls
 
 
@@ -67,6 +68,16 @@ def forced_call(fmt, tools: list[dict], tokenizer: llguidance.LLTokenizer, paral
         raise GrammarError("tool_choice forces a call but no tools are given")
     if fmt is LLAMA3:
         return _compiled(f"start: {llama3_call(tools)}\n", tokenizer, tools)
+    if fmt.name == "llama4_pythonic":  # no opener: the answer is the list of calls
+        return _compiled(llama4_answer(tools, parallel, optional=False), tokenizer, tools)
+    if fmt.name == "kimi_k3":  # XTML's channels around the calls (kimi_k3_grammar.py); under auto: parsed
+        from .kimi_k3_grammar import kimi_k3_answer
+
+        return _compiled(kimi_k3_answer(tools, tokenizer, parallel), tokenizer, tools)
+    if fmt.name == "harmony":  # gpt-oss: its analysis, then one call (harmony_grammar.py); under auto: parsed
+        from .harmony_grammar import harmony_forced
+
+        return _compiled(harmony_forced(tools, tokenizer), tokenizer, tools)
     spec = _calls(fmt, tools, tokenizer, parallel)
     if spec is None:
         return None
@@ -86,6 +97,8 @@ def optional_calls(fmt, tools: list[dict], tokenizer: llguidance.LLTokenizer, pa
         lead = "{" if tag.startswith("<[") else "{<"  # text may not begin like a call
         return _compiled(f"start: FREE | {tag}? {llama3_call(tools)}\nFREE: /\\s*[^\\s{lead}](?s:.*)/\n",
                          tokenizer, tools)
+    if fmt.name == "llama4_pythonic":  # no opener: text that does not begin like a call, or the calls
+        return _compiled(llama4_answer(tools, parallel, optional=True), tokenizer, tools)
     spec = _calls(fmt, tools, tokenizer, parallel)
     if spec is None:
         return None
