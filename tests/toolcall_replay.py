@@ -201,6 +201,10 @@ def output_ids(fixture: Fixture) -> tuple[list[int], bool]:
     truncated = "truncated" in fixture.tags
     if not truncated:
         ids.append(tok._tokenizer.convert_tokens_to_ids(_stop_token(name, fixture.raw_output)))
+    stops = set(tok.eos_token_ids)
+    first = next((i for i, t in enumerate(ids) if t in stops), None)
+    if first is not None and first < len(ids) - 1:  # the engine ends the answer at its first stop token
+        return ids[: first + 1], False
     return ids, truncated
 
 
