@@ -9,7 +9,7 @@ A page marks each table it shows:
     .venv/bin/python scripts/bench_tables.py            # rewrite every marked block from its JSON
     .venv/bin/python scripts/bench_tables.py --check    # exit 1 and name each block that differs (the test runs it)
 
-KIND is one of the renderers below (modes, structured, best, serve-load, agent-server, restart); FILE is a
+KIND is one of the renderers below (modes, structured, best, serve-load, agent-server, restart, toolcalls); FILE is a
 name in bench/results/. The commit is the one that added the JSON (git log), unless the JSON names its own;
 the date is the JSON's, else the commit's. Figures are printed as the bench prints them (two decimals).
 """
@@ -48,6 +48,8 @@ def git_added(name: str) -> tuple[str, str] | None:
 
 
 def machine_text(m: dict | None, d: dict | None = None) -> str:
+    if isinstance(m, str):  # a bench that writes the machine as one line
+        return m
     if not m:
         versions = ", ".join(f"{k} {d[k]}" for k in ("mlx", "python_version") if d and d.get(k))
         return f"{UNKNOWN} in the JSON" + (f" ({versions})" if versions else "")
@@ -208,8 +210,21 @@ def render_restart(names: list[str]) -> list[str]:
                   "same tokens as cold", "disk read"], rows) + source_lines(name, d)
 
 
+def render_toolcalls(names: list[str]) -> list[str]:
+    """canitoolcall's fixtures through the server's path: pass / soft / fail per family, the published engines'."""
+    (name,) = names
+    d = load(name)
+    cells = lambda c: [str(c.get(k, 0)) for k in ("pass", "soft_pass", "fail")]  # noqa: E731
+    rows = [[fam, *cells(c), "0"] for fam, c in d["families"].items()]
+    rows.append(["**total (mlx-engine)**", *cells(d["total"]), str(d.get("unsupported", 0))])
+    rows += [[f"{engine} (published)", str(p["pass"]), str(p["soft_pass"]), str(p["fail"]), str(469 - p["supported"])]
+             for engine, p in d["published"].items()]
+    return table(["family", "pass", "soft pass", "fail", "unsupported"], rows) + source_lines(name, d)
+
+
 RENDER = {"modes": render_modes, "structured": render_structured, "best": render_best,
-          "serve-load": render_serve_load, "agent-server": render_agent_server, "restart": render_restart}
+          "serve-load": render_serve_load, "agent-server": render_agent_server, "restart": render_restart,
+          "toolcalls": render_toolcalls}
 
 
 def render(spec: str) -> str:
