@@ -151,7 +151,7 @@ class Agent:
 AGENTS = {a.name: a for a in [
     Agent("claude", "claude", claude, 20937, "npm install -g @anthropic-ai/claude-code"),  # 2.1.197, `-p`
     Agent("codex", "codex", codex, 6172, "npm install -g @openai/codex"),  # 0.171.0, `exec`
-    Agent("opencode", "opencode", opencode, 7587, "npm install -g opencode-ai"),  # 1.18.33, `run`
+    Agent("opencode", "opencode", opencode, 7602, "npm install -g opencode-ai"),  # 1.18.33, `run`
     Agent("qwen", "qwen", qwen, 15754, "npm install -g @qwen-code/qwen-code"),  # 0.15.10, `-p`
     Agent("aider", "aider", aider, 0, "pip install aider-chat"),
 ]}
