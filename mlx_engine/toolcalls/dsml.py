@@ -31,7 +31,8 @@ import json
 import re
 
 from .formats import Call, ToolCallError, ToolFormat
-from .stream import CallArgs, CallStart, Text, _held, call_id
+from .reader import Reader, _held
+from .stream import Splitter
 
 DSML = "｜DSML｜"
 # format name -> (the tags' prefix after `<` / `</`, the block's name)
@@ -128,7 +129,7 @@ def parse_dsml(body: str, tools=None) -> list[Call]:
     return calls
 
 
-class DsmlReader:
+class DsmlReader(Reader):
     """An answer in DSML split as it streams: reasoning (before the reasoning end marker, when the answer opens
     inside it), content, and the calls of each block when the block closes. The text policy is the marker
     splitter's (stream.Splitter): whitespace before a call is not content, nor the blank lines after the
@@ -136,21 +137,15 @@ class DsmlReader:
 
     def __init__(self, fmt: ToolFormat, think: tuple[str, str] | None = None, reasoning: bool = False,
                  tools: list | None = None):
+        super().__init__()
         self.fmt, self.tools = fmt, tools or []
         self.think = think if think and think[0] and think[1] else None
         self.state = "reasoning" if reasoning and self.think else "content"
-        self.buf = ""  # text not yet decided
         self.opener = ""  # the open block's opening tag
         self.body = ""  # the open block's text so far
-        self.calls: list[str] = []
         self.started = False  # content or a call seen (a reasoning start marker counts only before)
-        self.pending_space = ""  # trailing whitespace of content, held until what follows settles it
         self.space_before = ""  # the whitespace held before the open block (content again if it is no call)
         self.after_reasoning = False
-
-    @property
-    def made_calls(self) -> bool:
-        return bool(self.calls)
 
     def feed(self, text: str) -> list:
         out: list = []
@@ -165,12 +160,11 @@ class DsmlReader:
             pass
         return out
 
-    def finish(self, truncated: bool = False) -> list:
+    def _finish(self, out: list, truncated: bool) -> None:
         """The end of the answer: text held back, and an open block's complete invokes (its unfinished one,
         cut by the token limit or never closed, is no call; a block with no complete invoke is content)."""
-        out: list = []
-        if self.state == "reasoning" and self.buf:
-            out.append(Text("reasoning", self.buf))
+        if self.state == "reasoning":
+            self._reasoning(out, self.buf)
         elif self.state == "block":
             try:
                 calls, _, why = read_invokes(self.body)
@@ -182,28 +176,14 @@ class DsmlReader:
                 self._content(out, self.space_before + self.opener + self.body)
         elif self.buf:
             self._content(out, self.buf)
-        self.buf = ""
-        if self.pending_space and not self.calls:
-            out.append(Text("content", self.pending_space))
-        self.pending_space = ""
-        return out
 
     def _step(self, out: list) -> bool:
         if self.state == "reasoning":
-            end = self.think[1]
-            i = self.buf.find(end)
-            if i < 0:
-                keep = _held(self.buf, [end])
-                if len(self.buf) > keep:
-                    out.append(Text("reasoning", self.buf[: len(self.buf) - keep]))
-                    self.buf = self.buf[len(self.buf) - keep :]
+            if not self._reasoning_to(out, self.think[1]):
                 return False
-            if i:
-                out.append(Text("reasoning", self.buf[:i]))
-            self.buf, self.state, self.after_reasoning = self.buf[i + len(end) :], "content", True
+            self.state, self.after_reasoning = "content", True
             return True
-        if not self.started and self.think and self.buf.lstrip().startswith(self.think[0]):
-            self.buf, self.state = self.buf.lstrip()[len(self.think[0]) :], "reasoning"
+        if not self.started and self.think and self._enters_reasoning(self.think[0]):
             return True
         m = _BLOCK_OPEN.search(self.buf)
         if m is not None:
@@ -211,7 +191,7 @@ class DsmlReader:
                 self._content(out, self.buf[: m.start()])
             self.opener, self.body, self.buf = m.group(0), self.buf[m.end() :], ""
             self.state, self.started = "block", True
-            self.space_before, self.pending_space = self.pending_space, ""
+            self.space_before, self.space = self.space, ""
             self._block_step(out)
             return bool(self.buf)
         keep = _held(self.buf, list(BLOCK_OPENERS) + ([self.think[0]] if not self.started and self.think else []))
@@ -245,21 +225,9 @@ class DsmlReader:
 
     def _emit(self, out: list, calls: list[Call]) -> None:
         for c in calls:
-            self.calls.append(call_id())
-            out.append(CallStart(len(self.calls) - 1, self.calls[-1], c.name))
-            out.append(CallArgs(len(self.calls) - 1, c.arguments))
+            self._call(out, c.name, c.arguments)
 
-    def _content(self, out: list, text: str) -> None:
-        """Content out, its trailing whitespace held (dropped if a call follows)."""
-        text = self.pending_space + text
-        if self.after_reasoning:
-            text = text.lstrip()
-            self.after_reasoning = not text
-        body = text.rstrip()
-        self.pending_space = text[len(body):]
-        if body:
-            self.started = True
-            out.append(Text("content", body))
+    _content = Splitter._content  # the splitter's: content out, its trailing whitespace held (dropped beside a call)
 
 
 def _format(name: str) -> ToolFormat:

@@ -153,8 +153,7 @@ class GlmSplitter(Splitter):
         if not truncated and self.state == "call":  # the answer ended: a `</tool_call>` held open ends the call
             self.final = True
             if self._call_step(out):
-                while self._step(out):
-                    pass
+                self._run(out)
         return out + super().finish(truncated)
 
 

@@ -30,7 +30,7 @@ import json
 import re
 
 from .formats import Call, ToolCallError, ToolFormat
-from .stream import CallArgs, CallStart, Text, _held, call_id
+from .reader import Reader, Text, _held
 
 START, END, MESSAGE, CHANNEL = "<|start|>", "<|end|>", "<|message|>", "<|channel|>"
 CONSTRAIN, CALL, RETURN = "<|constrain|>", "<|call|>", "<|return|>"
@@ -83,28 +83,16 @@ def parse_harmony_call(body: str, tools=None) -> list[Call]:
     return [Call("", text)]
 
 
-class HarmonyReader:
+class HarmonyReader(Reader):
     """Splits a Harmony answer into reasoning, content and calls (feed / finish / made_calls, as Splitter)."""
 
     def __init__(self, fmt: ToolFormat | None = None, think=None, reasoning: bool = False, tools: list | None = None):
+        super().__init__()
         self.tools = tools or []
         self.state = "header"  # header | text | call | drop
-        self.buf = ""  # text not yet decided
         self.kind = ""  # a text message's: "reasoning" | "content"
         self.name = ""  # a call message's function
-        self.calls: list[str] = []
         self.scan = _JsonScan()  # the current call body's JSON, read so far
-
-    @property
-    def made_calls(self) -> bool:
-        return bool(self.calls)
-
-    def feed(self, text: str) -> list:
-        self.buf += text
-        out: list = []
-        while self._step(out):
-            pass
-        return out
 
     def finish(self, truncated: bool = False) -> list:
         """The answer ended: a text message's rest (its stop token dropped); a call whose message the stop token
@@ -187,9 +175,7 @@ class HarmonyReader:
             return
         if not self.name:
             return
-        self.calls.append(call_id())
-        out.append(CallStart(len(self.calls) - 1, self.calls[-1], self.name))
-        out.append(CallArgs(len(self.calls) - 1, call.arguments))
+        self._call(out, self.name, call.arguments)
 
 
 def harmony_reader(fmt: ToolFormat, think=None, reasoning: bool = False, tools: list | None = None) -> HarmonyReader:

@@ -23,7 +23,7 @@ import json
 import re
 
 from .formats import Call, ToolCallError, ToolFormat, json_value_end
-from .stream import CallArgs, CallStart, Text, _held, call_id
+from .reader import Reader, _held
 
 SECTION_BEGIN, SECTION_END = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
 CALL_BEGIN, ARGS_BEGIN, CALL_END = "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>"
@@ -101,38 +101,22 @@ def parse_kimi_k2(body: str, tools=None) -> list[Call]:
     return calls
 
 
-class KimiK2Reader:
+class KimiK2Reader(Reader):
     """An answer as it streams -> reasoning, content and calls (stream.Text / CallStart / CallArgs). A call
     comes whole when its end marker does."""
 
     def __init__(self, fmt: ToolFormat, think: tuple[str, str] | None = None, reasoning: bool = False,
                  tools: list | None = None):
+        super().__init__()
         self.think = think if think and think[0] and think[1] else None
         self.state = "reasoning" if reasoning and self.think else "content"
-        self.buf = ""
-        self.ids: list[str] = []
-        self.said = False  # non-space content sent
-        self.opened = False  # anything but whitespace seen (a think start marker opens reasoning only before)
-        self.lead = ""  # whitespace before any content: sent with the first content, dropped beside calls
-        self.after_reasoning = False
+        self.opened = False  # the reasoning ended or a section opened (a think start marker opens reasoning only
+        # before that, and before any content)
         self.unsent = ""  # the open section's text since its last call (content if the answer is cut in a call)
 
-    @property
-    def made_calls(self) -> bool:
-        return bool(self.ids)
-
-    def feed(self, text: str) -> list:
-        self.buf += text
-        out: list = []
-        while self.buf and self._step(out):
-            pass
-        return out
-
-    def finish(self, truncated: bool = False) -> list:
-        out: list = []
+    def _finish(self, out: list, truncated: bool) -> None:
         if self.state == "reasoning":
-            if self.buf:
-                out.append(Text("reasoning", self.buf))
+            self._reasoning(out, self.buf)
         elif self.state == "content":
             self._content(out, self.buf)
         elif self.state == "call":
@@ -141,16 +125,11 @@ class KimiK2Reader:
                 self._emit(out, got[0])
             else:  # never closed (or no call): its text is content, never a call
                 self._content(out, self.unsent + self.buf)
-        self.buf = ""
-        if self.lead and not self.ids:
-            out.append(Text("content", self.lead))
-        self.lead = ""
-        return out
 
     # -- the states ---------------------------------------------------------------------------------
     def _step(self, out: list) -> bool:
         if self.state == "reasoning":
-            return self._reasoning(out)
+            return self._reasoning_step(out)
         if self.state == "content":
             return self._content_step(out)
         if self.state == "section":
@@ -168,28 +147,17 @@ class KimiK2Reader:
         self.buf, self.state, self.unsent = self.buf[got[1]:], "section", ""
         return True
 
-    def _reasoning(self, out: list) -> bool:
-        end = self.think[1]
-        i = self.buf.find(end)
-        if i < 0:
-            keep = _held(self.buf, [end])
-            if len(self.buf) > keep:
-                out.append(Text("reasoning", self.buf[: len(self.buf) - keep]))
-                self.buf = self.buf[len(self.buf) - keep:]
+    def _reasoning_step(self, out: list) -> bool:
+        if not self._reasoning_to(out, self.think[1]):
             return False
-        if i:
-            out.append(Text("reasoning", self.buf[:i]))
-        self.buf, self.state, self.after_reasoning = self.buf[i + len(end):], "content", True
-        self.opened = True
+        self.state, self.drop_lead, self.opened = "content", True, True
         return True
 
     def _content_step(self, out: list) -> bool:
-        if not self.opened and self.think:
-            lead = self.buf.lstrip()
-            if lead.startswith(self.think[0]):
-                self.buf, self.state = lead[len(self.think[0]):], "reasoning"
+        if not self.opened and not self.content_seen and self.think:
+            if self._enters_reasoning(self.think[0]):
                 return True
-            if self.think[0].startswith(lead):
+            if self.think[0].startswith(self.buf.lstrip()):
                 return False  # may still be the reasoning start marker
         i = self.buf.find(SECTION_BEGIN)
         if i >= 0:
@@ -215,27 +183,12 @@ class KimiK2Reader:
         self.state = "call" if marker == CALL_BEGIN else "content"
         return True
 
-    def _content(self, out: list, text: str) -> None:
-        """Content as written; whitespace before any content waits (dropped beside calls, and after reasoning)."""
-        if not text:
-            return
-        if not self.said:
-            text = self.lead + text
-            if self.after_reasoning or self.ids:
-                text = text.lstrip()
-            if not text.strip():
-                self.lead = text
-                return
-            self.lead, self.said = "", True
-        self.opened = True
-        out.append(Text("content", text))
-
     def _emit(self, out: list, call: Call) -> None:
-        own = call.id if call.id and _OWN_ID.fullmatch(call.id) and call.id not in self.ids else None
-        self.ids.append(own or call_id())
-        self.lead = ""
-        out.append(CallStart(len(self.ids) - 1, self.ids[-1], call.name))
-        out.append(CallArgs(len(self.ids) - 1, call.arguments))
+        """The call out (with the model's id where it has the form the template renders back); whitespace held
+        before it is dropped, and so is the whitespace after it before any content."""
+        self._call(out, call.name, call.arguments, call.id if call.id and _OWN_ID.fullmatch(call.id) else None)
+        self.space = ""
+        self.drop_lead = self.drop_lead or not self.content_seen
 
 
 KIMI_K2 = ToolFormat("kimi_k2", SECTION_BEGIN, SECTION_END, True, parse_kimi_k2,

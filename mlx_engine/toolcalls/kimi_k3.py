@@ -28,7 +28,7 @@ import json
 import re
 
 from .formats import Call, ToolCallError, ToolFormat, json_value_end
-from .stream import CallArgs, CallStart, Text, _held, call_id
+from .reader import Reader, _held
 
 OPEN, CLOSE, SEP = "<|open|>", "<|close|>", "<|sep|>"
 THINK_OPEN, THINK_CLOSE = OPEN + "think" + SEP, CLOSE + "think" + SEP
@@ -150,36 +150,20 @@ def parse_kimi_k3(body: str, tools=None) -> list[Call]:
     return calls
 
 
-class KimiK3Reader:
+class KimiK3Reader(Reader):
     """An XTML answer as it streams -> reasoning, content and calls (stream.Text / CallStart / CallArgs)."""
 
     def __init__(self, fmt: ToolFormat, think: tuple[str, str] | None = None, reasoning: bool = False,
                  tools: list | None = None):
+        super().__init__()
         self.state = "reasoning" if reasoning else "content"
-        self.buf = ""
         self.thought = False  # reasoning text sent (an answer opening another channel first skipped it)
-        self.opened = False  # anything but whitespace seen in content (a think channel opens only before)
-        self.said = False
-        self.lead = ""
-        self.ids: list[str] = []
+        self.opened = False  # a tools element opened (a think channel opens only before, and before content)
         self.unsent = ""  # the tools element's text since its last call (content if the answer is cut in a call)
 
-    @property
-    def made_calls(self) -> bool:
-        return bool(self.ids)
-
-    def feed(self, text: str) -> list:
-        self.buf += text
-        out: list = []
-        while self.buf and self._step(out):
-            pass
-        return out
-
-    def finish(self, truncated: bool = False) -> list:
-        out: list = []
+    def _finish(self, out: list, truncated: bool) -> None:
         if self.state == "reasoning":
-            if self.buf:
-                out.append(Text("reasoning", self.buf))
+            self._reasoning(out, self.buf)
         elif self.state == "content":
             self._content(out, self.buf)
         elif self.state == "tools" and self.buf.strip():
@@ -188,20 +172,15 @@ class KimiK3Reader:
                 self._emit(out, got[0])
             else:  # never closed (or no call): its text is content, never a call
                 self._content(out, self.unsent + self.buf)
-        self.buf = ""
-        if self.lead and not self.ids:
-            out.append(Text("content", self.lead))
-        self.lead = ""
-        return out
 
     def _step(self, out: list) -> bool:
         if self.state == "reasoning":
-            return self._reasoning(out)
+            return self._reasoning_step(out)
         if self.state == "content":
             return self._content_step(out)
         return self._tools(out)
 
-    def _reasoning(self, out: list) -> bool:
+    def _reasoning_step(self, out: list) -> bool:
         if not self.thought:  # the answer may skip its reasoning: the response or tools channel first
             lead = self.buf.lstrip()
             for opener in (RESPONSE_OPEN, TOOLS_OPEN):
@@ -210,21 +189,20 @@ class KimiK3Reader:
                     return True
             if any(m.startswith(lead) for m in (RESPONSE_OPEN, TOOLS_OPEN, THINK_CLOSE)) and THINK_CLOSE not in lead:
                 return False
-        i = self.buf.find(THINK_CLOSE)
-        if i < 0:
-            keep = _held(self.buf, [THINK_CLOSE])
-            if len(self.buf) > keep:
-                out.append(Text("reasoning", self.buf[: len(self.buf) - keep]))
-                self.buf, self.thought = self.buf[len(self.buf) - keep:], True
+        if not self._reasoning_to(out, THINK_CLOSE):
             return False
-        if i:
-            out.append(Text("reasoning", self.buf[:i]))
-        self.buf, self.state, self.thought = self.buf[i + len(THINK_CLOSE):], "content", True
+        # whitespace before the reasoning, and after it before any content, is not content
+        self.state, self.thought, self.space, self.drop_lead = "content", True, "", True
         return True
 
+    def _reasoning(self, out: list, text: str) -> None:
+        if text:
+            self.thought = True
+        super()._reasoning(out, text)
+
     def _content_step(self, out: list) -> bool:
-        tags = [RESPONSE_OPEN, RESPONSE_CLOSE, TOOLS_OPEN, MESSAGE_CLOSE] + ([] if self.opened or self.thought
-                                                                          else [THINK_OPEN])
+        tags = [RESPONSE_OPEN, RESPONSE_CLOSE, TOOLS_OPEN, MESSAGE_CLOSE] + (
+            [] if self.opened or self.content_seen or self.thought else [THINK_OPEN])
         found = [(i, t) for t in tags if (i := self.buf.find(t)) >= 0]
         if not found:
             keep = _held(self.buf, tags)
@@ -260,24 +238,12 @@ class KimiK3Reader:
         self.buf, self.unsent = self.buf[got[1]:], ""
         return True
 
-    def _content(self, out: list, text: str) -> None:
-        """Content as written; whitespace before any content waits (dropped beside calls)."""
-        if not text:
-            return
-        if not self.said:
-            text = (self.lead + text).lstrip() if self.thought or self.ids else self.lead + text
-            if not text.strip():
-                self.lead = text
-                return
-            self.lead, self.said = "", True
-        self.opened = True
-        out.append(Text("content", text))
-
     def _emit(self, out: list, call: Call) -> None:
-        self.ids.append(call_id())
-        self.lead = ""
-        out.append(CallStart(len(self.ids) - 1, self.ids[-1], call.name))
-        out.append(CallArgs(len(self.ids) - 1, call.arguments))
+        """The call out; whitespace held before it is dropped, and so is the whitespace after it before any
+        content."""
+        self._call(out, call.name, call.arguments)
+        self.space = ""
+        self.drop_lead = self.drop_lead or not self.content_seen
 
 
 KIMI_K3 = ToolFormat("kimi_k3", TOOLS_OPEN, TOOLS_CLOSE, True, parse_kimi_k3, markers=(OPEN, CLOSE, SEP),

@@ -19,7 +19,7 @@ import ast
 import json
 
 from .formats import PYTHON_TAG, Call, ToolCallError, ToolFormat, parse_llama3
-from .stream import CallArgs, CallStart, Text, _held, call_id
+from .reader import Reader, _held
 
 PYTHON_START, PYTHON_END = "<|python_start|>", "<|python_end|>"
 # Llama 3's header tokens: text of a JSON string value when a call writes them (kept through the text stream)
@@ -78,53 +78,31 @@ def parse_pythonic(text: str, tools=None) -> list[Call]:
     return calls
 
 
-class EndCallReader:
+class EndCallReader(Reader):
     """An answer whose calls, if any, are its end: reader(fmt, think, reasoning, tools)'s object (feed, finish,
     made_calls). lead: the characters that make a whole answer a call candidate; tag / close: the text that opens
     (closes) a call block after other text; parse: that block -> its calls."""
 
     def __init__(self, fmt, think, reasoning, tools, lead: str, tag: str, close: str, parse):
+        super().__init__()
         self.fmt, self.tools = fmt, list(tools or [])
         self.lead, self.tag, self.close, self.parse = lead, tag, close, parse
         self.think = think if think and think[0] and think[1] else None
         self.state = "reasoning" if reasoning and self.think else "start"  # start | content | call | after
-        self.buf = ""  # text not yet decided
         self.body = ""  # the call block's text (after `tag`, or the whole answer)
         self.tagged = False  # the block opened with `tag`
-        self.calls: list[str] = []
-        self.space = ""  # whitespace before any content, held: dropped beside calls
-        self.sent = False  # content other than whitespace sent
-
-    @property
-    def made_calls(self) -> bool:
-        return bool(self.calls)
-
-    def feed(self, text: str) -> list:
-        self.buf += text
-        out: list = []
-        while self._step(out):
-            pass
-        return out
 
     def _step(self, out: list) -> bool:
-        if not self.buf:
-            return False
         if self.state == "reasoning":
-            i = self.buf.find(self.think[1])
-            if i < 0:
-                keep = _held(self.buf, [self.think[1]])
-                self._emit(out, "reasoning", self.buf[: len(self.buf) - keep])
-                self.buf = self.buf[len(self.buf) - keep:]
+            if not self._reasoning_to(out, self.think[1]):
                 return False
-            self._emit(out, "reasoning", self.buf[:i])
-            self.buf, self.state = self.buf[i + len(self.think[1]):].lstrip(), "start"
+            self.buf, self.state = self.buf.lstrip(), "start"
             return True
         if self.state == "start":  # nothing of the answer decided: may it be a call, or the reasoning?
             head = self.buf.lstrip()
             if not head:
                 return False
-            if self.think and head.startswith(self.think[0]):
-                self.buf, self.state = head[len(self.think[0]):], "reasoning"
+            if self.think and self._enters_reasoning(self.think[0]):
                 return True
             if self.think and self.think[0].startswith(head):
                 return False
@@ -136,36 +114,26 @@ class EndCallReader:
         if self.state == "content":
             i = self.buf.find(self.tag)
             if i >= 0:
-                self._emit(out, "content", self.buf[:i])
+                self._content(out, self.buf[:i])
                 self.buf, self.state, self.tagged = self.buf[i + len(self.tag):], "call", True
                 return True
             keep = _held(self.buf, [self.tag])
-            self._emit(out, "content", self.buf[: len(self.buf) - keep])
+            self._content(out, self.buf[: len(self.buf) - keep])
             self.buf = self.buf[len(self.buf) - keep:]
             return False
         if self.state == "call":
             self.body += self.buf
             self.buf = ""
             return False
-        self._emit(out, "content", self.buf)  # after the block's closing tag
+        self._content(out, self.buf)  # after the block's closing tag
         self.buf = ""
         return False
 
-    def _emit(self, out: list, kind: str, text: str) -> None:
-        if kind == "content" and not self.sent:  # whitespace before any content: dropped if a call follows
-            if not text.strip():
-                self.space += text
-                return
-            text, self.space, self.sent = self.space + text, "", True
-        if text:
-            out.append(Text(kind, text))
-
-    def finish(self, truncated: bool = False) -> list:
+    def _finish(self, out: list, truncated: bool) -> None:
         """The answer's end: the held block parsed into calls (never when cut at max_tokens: then it is
         content), or, not calls, its text as content."""
-        out: list = []
         if self.state == "reasoning":
-            self._emit(out, "reasoning", self.buf)
+            self._reasoning(out, self.buf)
         elif self.state == "call":
             block = self.body + self.buf
             written = (self.tag if self.tagged else "") + block
@@ -181,18 +149,12 @@ class EndCallReader:
                     calls = None
             if calls:
                 for c in calls:
-                    self.calls.append(call_id())
-                    out.append(CallStart(len(self.calls) - 1, self.calls[-1], c.name))
-                    out.append(CallArgs(len(self.calls) - 1, c.arguments))
-                self._emit(out, "content", rest.strip())
+                    self._call(out, c.name, c.arguments)
+                self._content(out, rest.strip())
             else:
-                self._emit(out, "content", written)
+                self._content(out, written)
         elif self.state != "start" or self.buf.strip():
-            self._emit(out, "content", self.buf)
-        if self.space and not self.calls:
-            out.append(Text("content", self.space))
-        self.buf = self.space = ""
-        return out
+            self._content(out, self.buf)
 
 
 def llama3_reader(fmt, think=None, reasoning=False, tools=None) -> EndCallReader:

@@ -19,20 +19,9 @@ A format gives its opener, its reasoning marks, a scanner per call (`scanner()`:
 from __future__ import annotations
 
 from .formats import Call, ToolCallError, ToolFormat
-from .stream import CallArgs, CallStart, Text, call_id
+from .reader import Reader, Text, _held
 
 MORE, CALL, NOT = "more", "call", "not"  # what a call scanner says of the text after the opener
-
-
-def held(text: str, markers) -> int:
-    """Length of the longest tail of `text` that is a proper prefix of one of `markers`."""
-    hold = 0
-    for m in markers:
-        for n in range(min(len(m) - 1, len(text)), hold, -1):
-            if text.endswith(m[:n]):
-                hold = n
-                break
-    return hold
 
 
 class ReasoningMark:
@@ -43,7 +32,7 @@ class ReasoningMark:
         self.start, self.end, self.head, self.anywhere = start, end, head, anywhere
 
 
-class MarkedReader:
+class MarkedReader(Reader):
     opener: str = ""
     marks: tuple[ReasoningMark, ...] = ()
 
@@ -57,37 +46,24 @@ class MarkedReader:
                  tools: list | None = None):
         """think: the reasoning markers mlx-lm infers (used where the format's own do not cover them);
         reasoning: the prompt left the answer inside a reasoning block."""
+        super().__init__()
         self.fmt, self.tools = fmt, tools or []
         marks = list(self.marks)
         if think and think[0] and think[1] and not any(
                 m.start.startswith(think[0]) or think[0].startswith(m.start) for m in marks):
             marks.append(ReasoningMark(think[0], think[1]))
-        self.all_marks = marks
-        self.buf = ""
-        self.state = "content"  # | "reasoning" | "call"
+        self.all_marks = marks  # (state: "content" | "reasoning" | "call")
         self.mark: ReasoningMark | None = None  # the open reasoning block's
         self.head = ""  # a channel name still to drop at the start of the block
         if reasoning and marks:
             end = think[1] if think and think[1] else marks[0].end
             self._open_reasoning(next((m for m in marks if m.end == end), marks[0]), head=False)
         self.scan = None
-        self.ids: list[str] = []  # the calls handed out
-        self.content_seen = False  # content other than whitespace handed out
-        self.space = ""  # whitespace-only content held until content or the end settles it
-        self.after_reasoning = False
         self.reasoning_started = False  # this block's text began (its leading whitespace dropped)
         self.reasoning_space = ""  # the block's trailing whitespace so far (dropped at its end)
 
-    # -- the public side ----------------------------------------------------------------------------
-    def feed(self, text: str) -> list:
-        self.buf += text
-        out: list = []
-        while self._step(out):
-            pass
-        return out
-
-    def finish(self, truncated: bool = False) -> list:
-        out: list = []
+    # -- the public side (feed, made_calls: Reader's) --------------------------------------------------
+    def _finish(self, out: list, truncated: bool) -> None:
         if self.state == "reasoning":
             self._reasoning(out, self.buf)
         elif self.state == "call":
@@ -95,20 +71,9 @@ class MarkedReader:
                 self._content(out, self.opener + self.buf)
         elif self.buf:
             self._content(out, self.buf)
-        self.buf = ""
-        if self.space and not self.ids:
-            out.append(Text("content", self.space))
-        self.space = ""
-        return out
-
-    @property
-    def made_calls(self) -> bool:
-        return bool(self.ids)
 
     # -- the states ---------------------------------------------------------------------------------
     def _step(self, out: list) -> bool:
-        if not self.buf:
-            return False
         if self.state == "reasoning":
             return self._reasoning_step(out)
         if self.state == "call":
@@ -116,12 +81,12 @@ class MarkedReader:
         return self._content_step(out)
 
     def _content_step(self, out: list) -> bool:
-        fresh = not self.content_seen and not self.ids
+        fresh = not self.content_seen and not self.calls
         opens = [(self.opener, None)] + [(m.start, m) for m in self.all_marks if m.anywhere or fresh]
         found = [(self.buf.find(text), text, m) for text, m in opens if text]
         found = [f for f in found if f[0] >= 0]
         if not found:
-            keep = held(self.buf, [t for t, _ in opens])
+            keep = _held(self.buf, [t for t, _ in opens])
             if len(self.buf) > keep:
                 self._content(out, self.buf[: len(self.buf) - keep])
                 self.buf = self.buf[len(self.buf) - keep :]
@@ -148,16 +113,9 @@ class MarkedReader:
                 return False  # may still be the channel's name
             else:
                 self.head = ""
-        end = self.mark.end
-        i = self.buf.find(end)
-        if i < 0:
-            keep = held(self.buf, [end])
-            self._reasoning(out, self.buf[: len(self.buf) - keep])
-            self.buf = self.buf[len(self.buf) - keep :]
+        if not self._reasoning_to(out, self.mark.end):
             return False
-        self._reasoning(out, self.buf[:i])
-        self.buf = self.buf[i + len(end) :]
-        self.state, self.mark, self.after_reasoning = "content", None, True
+        self.state, self.mark, self.drop_lead = "content", None, True
         return True
 
     def _call_step(self, out: list) -> bool:
@@ -174,27 +132,11 @@ class MarkedReader:
         except ToolCallError:
             self._content(out, self.opener + text)
             return True
-        for c in calls:  # the model's own id where it wrote one (its template renders it back), unless repeated
-            self.ids.append(c.id if c.id and c.id not in self.ids else call_id())
-            out.append(CallStart(len(self.ids) - 1, self.ids[-1], c.name))
-            out.append(CallArgs(len(self.ids) - 1, c.arguments))
+        for c in calls:
+            self._call(out, c.name, c.arguments, c.id)
         return True
 
-    # -- text out -----------------------------------------------------------------------------------
-    def _content(self, out: list, text: str) -> None:
-        if self.after_reasoning:
-            text = text.lstrip()
-            if not text:
-                return
-            self.after_reasoning = False
-        if self.content_seen:
-            out.append(Text("content", text))
-            return
-        self.space += text
-        if self.space.strip():
-            out.append(Text("content", self.space))
-            self.space, self.content_seen = "", True
-
+    # -- text out (content: Reader's) -----------------------------------------------------------------
     def _reasoning(self, out: list, text: str) -> None:
         if not self.reasoning_started:
             text = text.lstrip()

@@ -308,8 +308,7 @@ class Qwen3XmlSplitter(Splitter):
         out: list = []
         if not truncated:  # the answer ended: what the text held open is decided now
             self.final = True
-            while self._step(out):
-                pass
+            self._run(out)
         return out + super().finish(truncated)
 
 

@@ -22,44 +22,10 @@ is content.
 
 from __future__ import annotations
 
-import uuid
-from dataclasses import dataclass
-
 from .formats import ToolCallError, ToolFormat, json_value_end, parse_json_call
+from .reader import CallArgs, CallStart, Reader, Text, _held, call_id
 
-
-@dataclass(frozen=True)
-class Text:
-    kind: str  # "reasoning" | "content"
-    text: str
-
-
-@dataclass(frozen=True)
-class CallStart:
-    index: int
-    id: str
-    name: str
-
-
-@dataclass(frozen=True)
-class CallArgs:
-    index: int
-    text: str
-
-
-def call_id() -> str:
-    return "call_" + uuid.uuid4().hex[:24]
-
-
-def _held(text: str, markers: list[str]) -> int:
-    """Length of the longest tail of `text` that is a proper prefix of one of `markers`."""
-    hold = 0
-    for m in markers:
-        for n in range(min(len(m) - 1, len(text)), hold, -1):
-            if text.endswith(m[:n]):
-                hold = n
-                break
-    return hold
+__all__ = ["CallArgs", "CallStart", "Splitter", "Text", "_held", "call_id", "reader_for"]
 
 
 def reader_for(fmt: ToolFormat | None, think: tuple[str, str] | None = None, reasoning: bool = False,
@@ -71,42 +37,32 @@ def reader_for(fmt: ToolFormat | None, think: tuple[str, str] | None = None, rea
     return Splitter(fmt, think, reasoning, tools)
 
 
-class Splitter:
+class Splitter(Reader):
     calls_in_reasoning = False  # a call opener inside the reasoning opens a call (and ends the reasoning)
 
     def __init__(self, fmt: ToolFormat | None, think: tuple[str, str] | None = None, reasoning: bool = False,
                  tools: list | None = None):
         """fmt: the model's tool-call format (None: no tools offered, nothing is parsed as a call); think: the
         reasoning (start, end) markers, or None; reasoning: the answer opens inside the reasoning."""
+        super().__init__()
         self.fmt, self.tools = fmt, tools or []
         self.think = think if think and think[0] and think[1] else None
         self.state = "reasoning" if reasoning and self.think else "content"
-        self.buf = ""
         self.body = ""  # the current call's text so far
-        self.calls: list[str] = []  # ids of the calls begun
         self.opener = ""  # the marker text that opened the current call ("" where the call's own text opens it)
         self.in_reasoning = False  # the current call opened inside the reasoning
         self.scan_at = 0  # where the next search for the current call's end marker starts in `body`
         self.reasoning_sent = False  # any reasoning text handed out
         self.reasoning_space = ""  # whitespace at the reasoning's end so far, held until more reasoning follows
         self.started = False  # any content or call seen (a start marker opens reasoning only before)
-        self.pending_space = ""  # whitespace-only content, held until non-space content settles it
         self.whole_answer = fmt is not None and fmt.start == ""  # llama3_json: the whole answer may be a call
         self.after_reasoning = False  # the reasoning just ended: leading whitespace is not content
         self.space_before = ""  # whitespace held before the current call (content again if it is no call)
 
-    # -- the public side ----------------------------------------------------------------------------
-    def feed(self, text: str) -> list:
-        self.buf += text
-        out: list = []
-        while self._step(out):
-            pass
-        return out
-
-    def finish(self, truncated: bool = False) -> list:
+    # -- the public side (feed, made_calls: Reader's) --------------------------------------------------
+    def _finish(self, out: list, truncated: bool) -> None:
         """The end of the answer: what is held back, and a call its end marker never closed. truncated: the answer
         was cut at its token limit, so an open call was never finished: it is content, never a call."""
-        out: list = []
         if self.state == "reasoning":
             self._reasoning(out, self.buf)
         elif self.state == "call" and truncated and self.opener:
@@ -118,21 +74,10 @@ class Splitter:
             self._close_call(out, at_end=True)
         elif self.buf:
             self._content(out, self.buf)
-        self.buf = ""
-        if self.pending_space and not self.calls:
-            out.append(Text("content", self.pending_space))
-        self.pending_space = ""
-        return out
-
-    @property
-    def made_calls(self) -> bool:
-        return bool(self.calls)
 
     # -- the states ---------------------------------------------------------------------------------
     def _step(self, out: list) -> bool:
         """Consume what can be decided of `buf`; True while progress is made."""
-        if not self.buf:
-            return False
         if self.state == "reasoning":
             end = self.think[1]
             i = self.buf.find(end)
@@ -143,23 +88,15 @@ class Splitter:
                     self.buf = self.buf[j + len(self.fmt.start) :]
                     self._open_call(self.fmt.start, in_reasoning=True)
                     return True
-            if i < 0:
-                keep = _held(self.buf, [end] + ([self.fmt.start] if self.calls_in_reasoning and self.fmt else []))
-                if len(self.buf) > keep:
-                    self._reasoning(out, self.buf[: len(self.buf) - keep])
-                    self.buf = self.buf[len(self.buf) - keep :]
+            if not self._reasoning_to(out, end, [self.fmt.start] if self.calls_in_reasoning and self.fmt else []):
                 return False
-            self._reasoning(out, self.buf[:i])
             self.reasoning_space = ""  # (the template's newline before the end marker)
-            self.buf = self.buf[i + len(end) :]
             self.state, self.after_reasoning = "content", True
             return True
         if self.state == "call":
             return self._call_step(out)
         # content
-        if not self.started and self.think and self.buf.lstrip().startswith(self.think[0]):
-            self.buf = self.buf.lstrip()[len(self.think[0]) :]
-            self.state = "reasoning"
+        if not self.started and self.think and self._enters_reasoning(self.think[0]):
             return True
         if self.whole_answer:
             stripped = self.buf.lstrip()
@@ -198,12 +135,12 @@ class Splitter:
     def _content(self, out: list, text: str) -> None:
         """Content text out, its trailing whitespace held: dropped when a call follows, else sent with the
         next content (or at the end of an answer with no calls)."""
-        text = self.pending_space + text
+        text = self.space + text
         if self.after_reasoning:  # the blank lines between the reasoning and the answer
             text = text.lstrip()
             self.after_reasoning = not text
         body = text.rstrip()
-        self.pending_space = text[len(body):]
+        self.space = text[len(body):]
         if body:
             self.started = True
             out.append(Text("content", body))
@@ -236,7 +173,7 @@ class Splitter:
     def _open_call(self, opener: str = "", in_reasoning: bool = False) -> None:
         self.state, self.body, self.opener, self.in_reasoning, self.scan_at = "call", "", opener, in_reasoning, 0
         self.started = True
-        self.space_before, self.pending_space = self.pending_space, ""  # whitespace before a call is not content
+        self.space_before, self.space = self.space, ""  # whitespace before a call is not content
 
     def _call_step(self, out: list) -> bool:
         text = self.body + self.buf
@@ -271,10 +208,8 @@ class Splitter:
             return
         if self.in_reasoning:  # a call inside the reasoning ended it
             self.after_reasoning, self.in_reasoning = True, False
-        for c in calls:  # the model's own id where it wrote one (its template renders it back), unless repeated
-            self.calls.append(c.id if c.id and c.id not in self.calls else call_id())
-            out.append(CallStart(len(self.calls) - 1, self.calls[-1], c.name))
-            out.append(CallArgs(len(self.calls) - 1, c.arguments))
+        for c in calls:
+            self._call(out, c.name, c.arguments, c.id)
 
 
 def _json_closed(text: str, at: int) -> bool:
