@@ -19,7 +19,7 @@ A format gives its opener, its reasoning marks, a scanner per call (`scanner()`:
 from __future__ import annotations
 
 from .formats import Call, ToolCallError, ToolFormat
-from .reader import Reader, Text, _held
+from .reader import Reader, TrimmedReasoning, _held
 
 MORE, CALL, NOT = "more", "call", "not"  # what a call scanner says of the text after the opener
 
@@ -32,7 +32,7 @@ class ReasoningMark:
         self.start, self.end, self.head, self.anywhere = start, end, head, anywhere
 
 
-class MarkedReader(Reader):
+class MarkedReader(TrimmedReasoning, Reader):
     opener: str = ""
     marks: tuple[ReasoningMark, ...] = ()
 
@@ -59,7 +59,7 @@ class MarkedReader(Reader):
             end = think[1] if think and think[1] else marks[0].end
             self._open_reasoning(next((m for m in marks if m.end == end), marks[0]), head=False)
         self.scan = None
-        self.reasoning_started = False  # this block's text began (its leading whitespace dropped)
+        self.reasoning_sent = False  # this block's text began (its leading whitespace dropped)
         self.reasoning_space = ""  # the block's trailing whitespace so far (dropped at its end)
 
     # -- the public side (feed, made_calls: Reader's) --------------------------------------------------
@@ -103,7 +103,7 @@ class MarkedReader(Reader):
 
     def _open_reasoning(self, mark: ReasoningMark, head: bool = True) -> None:
         self.state, self.mark, self.head = "reasoning", mark, mark.head if head else ""
-        self.reasoning_started, self.reasoning_space = False, ""
+        self.reasoning_sent, self.reasoning_space = False, ""
 
     def _reasoning_step(self, out: list) -> bool:
         if self.head:
@@ -135,17 +135,3 @@ class MarkedReader(Reader):
         for c in calls:
             self._call(out, c.name, c.arguments, c.id)
         return True
-
-    # -- text out (content: Reader's) -----------------------------------------------------------------
-    def _reasoning(self, out: list, text: str) -> None:
-        if not self.reasoning_started:
-            text = text.lstrip()
-            if not text:
-                return
-            self.reasoning_started = True
-        text = self.reasoning_space + text
-        body = text.rstrip()
-        self.reasoning_space = text[len(body) :]
-        if body:
-            out.append(Text("reasoning", body))
-

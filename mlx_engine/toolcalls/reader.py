@@ -144,3 +144,22 @@ class Reader:
         if self.space.strip():
             out.append(Text("content", self.space))
             self.space, self.content_seen = "", True
+
+
+class TrimmedReasoning:
+    """A reader's reasoning without the whitespace the template writes inside its markers (`<think>\n...\n</think>`):
+    leading whitespace before any of the block's text and trailing whitespace are held, sent only when more
+    reasoning follows them. The reader sets reasoning_sent / reasoning_space (False, "") where a block opens."""
+
+    reasoning_sent: bool  # any of the block's reasoning text handed out
+    reasoning_space: str  # whitespace at the block's end so far, held until more reasoning follows
+
+    def _reasoning(self, out: list, text: str) -> None:
+        text = self.reasoning_space + text
+        if not self.reasoning_sent:
+            text = text.lstrip()
+        body = text.rstrip()
+        self.reasoning_space = text[len(body):]
+        if body:
+            self.reasoning_sent = True
+            out.append(Text("reasoning", body))

@@ -23,7 +23,7 @@ is content.
 from __future__ import annotations
 
 from .formats import ToolCallError, ToolFormat, json_value_end, parse_json_call
-from .reader import CallArgs, CallStart, Reader, Text, _held, call_id
+from .reader import CallArgs, CallStart, Reader, Text, TrimmedReasoning, _held, call_id
 
 __all__ = ["CallArgs", "CallStart", "Splitter", "Text", "_held", "call_id", "reader_for"]
 
@@ -37,7 +37,7 @@ def reader_for(fmt: ToolFormat | None, think: tuple[str, str] | None = None, rea
     return Splitter(fmt, think, reasoning, tools)
 
 
-class Splitter(Reader):
+class Splitter(TrimmedReasoning, Reader):
     calls_in_reasoning = False  # a call opener inside the reasoning opens a call (and ends the reasoning)
 
     def __init__(self, fmt: ToolFormat | None, think: tuple[str, str] | None = None, reasoning: bool = False,
@@ -119,18 +119,6 @@ class Splitter(Reader):
             self._content(out, self.buf[: len(self.buf) - keep])
             self.buf = self.buf[len(self.buf) - keep :]
         return False
-
-    def _reasoning(self, out: list, text: str) -> None:
-        """Reasoning text out without the whitespace the template writes inside its markers: leading whitespace
-        before any reasoning and trailing whitespace are held, sent only when more reasoning follows them."""
-        text = self.reasoning_space + text
-        if not self.reasoning_sent:
-            text = text.lstrip()
-        body = text.rstrip()
-        self.reasoning_space = text[len(body):]
-        if body:
-            self.reasoning_sent = True
-            out.append(Text("reasoning", body))
 
     def _content(self, out: list, text: str) -> None:
         """Content text out, its trailing whitespace held: dropped when a call follows, else sent with the
