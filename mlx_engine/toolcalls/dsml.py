@@ -197,9 +197,7 @@ class DsmlReader(Reader):
         keep = _held(self.buf, list(BLOCK_OPENERS) + ([self.think[0]] if not self.started and self.think else []))
         if not self.started and self.think and self.think[0].startswith(self.buf.lstrip()):
             keep = len(self.buf)  # may still be the reasoning start marker
-        if len(self.buf) > keep:
-            self._content(out, self.buf[: len(self.buf) - keep])
-            self.buf = self.buf[len(self.buf) - keep :]
+        self._content_to(out, keep)
         return False
 
     def _block_step(self, out: list) -> None:

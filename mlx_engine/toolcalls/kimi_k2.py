@@ -166,8 +166,7 @@ class KimiK2Reader(Reader):
             self.opened = True
             return True
         keep = _held(self.buf, [SECTION_BEGIN])
-        self._content(out, self.buf[: len(self.buf) - keep])
-        self.buf = self.buf[len(self.buf) - keep:]
+        self._content_to(out, keep)
         return False
 
     def _section(self, out: list) -> bool:

@@ -206,8 +206,7 @@ class KimiK3Reader(Reader):
         found = [(i, t) for t in tags if (i := self.buf.find(t)) >= 0]
         if not found:
             keep = _held(self.buf, tags)
-            self._content(out, self.buf[: len(self.buf) - keep])
-            self.buf = self.buf[len(self.buf) - keep:]
+            self._content_to(out, keep)
             return False
         i, tag = min(found)
         self._content(out, self.buf[:i])

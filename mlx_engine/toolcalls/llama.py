@@ -118,8 +118,7 @@ class EndCallReader(Reader):
                 self.buf, self.state, self.tagged = self.buf[i + len(self.tag):], "call", True
                 return True
             keep = _held(self.buf, [self.tag])
-            self._content(out, self.buf[: len(self.buf) - keep])
-            self.buf = self.buf[len(self.buf) - keep:]
+            self._content_to(out, keep)
             return False
         if self.state == "call":
             self.body += self.buf

@@ -87,9 +87,7 @@ class MarkedReader(TrimmedReasoning, Reader):
         found = [f for f in found if f[0] >= 0]
         if not found:
             keep = _held(self.buf, [t for t, _ in opens])
-            if len(self.buf) > keep:
-                self._content(out, self.buf[: len(self.buf) - keep])
-                self.buf = self.buf[len(self.buf) - keep :]
+            self._content_to(out, keep)
             return False
         at, text, mark = min(found, key=lambda f: (f[0], -len(f[1])))
         if at:

@@ -128,6 +128,12 @@ class Reader:
             out.append(Text("reasoning", text))
 
     # -- content ------------------------------------------------------------------------------------
+    def _content_to(self, out: list, keep: int) -> None:
+        """`buf` out as content but its last `keep` characters, the tail that may still become a marker."""
+        if len(self.buf) > keep:
+            self._content(out, self.buf[: len(self.buf) - keep])
+            self.buf = self.buf[len(self.buf) - keep :]
+
     def _content(self, out: list, text: str) -> None:
         """Content as written; whitespace before any content waits (sent with the first content, dropped beside
         calls: finish), and the leading whitespace after the reasoning is not content."""

@@ -115,9 +115,7 @@ class Splitter(TrimmedReasoning, Reader):
         keep = max(_held(self.buf, markers), self._start_held(self.buf) if self.fmt is not None else 0)
         if not self.started and self.think and self.think[0].startswith(self.buf.lstrip()):
             keep = len(self.buf)  # may still be the reasoning start marker
-        if len(self.buf) > keep:
-            self._content(out, self.buf[: len(self.buf) - keep])
-            self.buf = self.buf[len(self.buf) - keep :]
+        self._content_to(out, keep)
         return False
 
     def _content(self, out: list, text: str) -> None:
