@@ -16,9 +16,10 @@ from transformers import PreTrainedTokenizerFast
 
 import grammar_util as gu
 from mlx_engine.toolcalls import CallArgs, CallStart, Splitter, Text, detect, template_input
-from mlx_engine.toolcalls.formats import DEEPSEEK, FUNCTION_GEMMA, GENERIC, JSON, LLAMA3, mlx_lm_format
+from mlx_engine.toolcalls.formats import DEEPSEEK, FUNCTION_GEMMA, GENERIC, JSON, mlx_lm_format
 from mlx_engine.toolcalls.gemma4 import GEMMA4  # (our readers: detect() picks them for these families)
 from mlx_engine.toolcalls.grammars import forced_call
+from mlx_engine.toolcalls.llama import LLAMA3
 from mlx_engine.toolcalls.mistral import MISTRAL
 from toolcall_templates import DEEPSEEK_TEMPLATE, JSON_TEMPLATE, LLAMA3_TEMPLATE
 

@@ -13,7 +13,8 @@ import pytest
 import grammar_util as gu
 from mlx_engine.grammar import GrammarViolation
 from mlx_engine.toolcalls import CallArgs, CallStart, Text
-from mlx_engine.toolcalls.formats import LLAMA3, detect
+from mlx_engine.toolcalls import detect
+from mlx_engine.toolcalls.llama import LLAMA3
 from mlx_engine.toolcalls.glm import GLM, parse_glm
 from mlx_engine.toolcalls.grammars import forced_call, optional_calls
 from mlx_engine.toolcalls.llama import LLAMA4, parse_pythonic

@@ -10,7 +10,7 @@ every marker the suite's family.json lists is one token here, as it is in those 
 the published tokenizer has it as text.
 
 The tokenizer carries a chat-template excerpt with the lines a real checkpoint's template has that
-toolcalls.formats.detect reads, so the format, the reasoning markers and whether the answer opens inside the
+toolcalls.detect reads, so the format, the reasoning markers and whether the answer opens inside the
 reasoning are decided the way the server decides them for that checkpoint.
 """
 
@@ -29,7 +29,7 @@ from canitoolcall.results import Observation, ParsedToolCall, ParseResult
 from mlx_engine import text as text_ops
 from mlx_engine.serve.jobs import Done, Job, Output, Request
 from mlx_engine.serve.turn import AnswerSpec, _markers, _opens_reasoning
-from mlx_engine.toolcalls.formats import detect
+from mlx_engine.toolcalls import detect
 from mlx_engine.toolcalls.stream import CallArgs, CallStart, Text
 
 

@@ -2,7 +2,8 @@
 render (a conversation with tools through the chat template, or the generic form), stream (an answer split
 into reasoning, content and calls as it streams), grammars (a forced call held to its schema)."""
 
-from .formats import Call, ToolCallError, ToolFormat, detect
+from .detect import detect
+from .formats import Call, ToolCallError, ToolFormat
 from .render import template_input
 from .stream import CallArgs, CallStart, Splitter, Text
 

@@ -14,7 +14,8 @@ into calls, and whether the model's own chat template renders tools and calls.
   (FunctionGemma), read by `parse_function_gemma`.
 - any of mlx-lm's own parsers (mlx_lm/tool_parsers: qwen3_coder, glm47, kimi_k2, mistral, pythonic,
   minimax_m2, gemma4, ...), by the name the checkpoint gives (tokenizer_config.json's `tool_parser_type`),
-  else the one mlx-lm infers from the template: used as they are.
+  else the one mlx-lm infers from the template, where they read their family right (detect.py picks the
+  reader of our own for each family they misread: one module per family).
 
 Arguments are kept as the text the model wrote (key order included): a history sent back with reordered
 keys would not match the cached prefix.
@@ -23,7 +24,6 @@ keys would not match the cached prefix.
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import json
 import re
 from dataclasses import dataclass
@@ -210,15 +210,6 @@ GENERIC = ToolFormat("generic", "<tool_call>", "</tool_call>", False, parse_json
 DEEPSEEK = ToolFormat("deepseek_v3", DS_CALLS_BEGIN, DS_CALLS_END, True, parse_deepseek)
 
 
-def _llama3_reader(fmt, think=None, reasoning=False, tools=None):
-    from .llama import llama3_reader  # (llama.py reads this module)
-
-    return llama3_reader(fmt, think, reasoning, tools)
-
-
-# the header tokens are text a call's JSON string may hold (kept through the text stream where special)
-LLAMA3 = ToolFormat("llama3_json", "", "", True, parse_llama3, markers=("<|start_header_id|>", "<|end_header_id|>"),
-                    reader=_llama3_reader)
 FUNCTION_GEMMA = ToolFormat("function_gemma", FG_CALL_START, FG_CALL_END, True, parse_function_gemma)
 
 
@@ -257,82 +248,3 @@ def _refs_resolved(tools: list) -> list:
             props[key] = schema
         out.append({**tool, "function": {**fn, "parameters": {**params, "properties": props}}})
     return out
-
-
-def _template(tokenizer) -> str:
-    t = getattr(tokenizer, "chat_template", None)
-    return t if isinstance(t, str) else ""
-
-
-def _declared_parser(tokenizer) -> str | None:
-    """The mlx-lm parser a checkpoint names in its tokenizer_config.json (`tool_parser_type`, as mlx-lm's
-    conversions write it: Laguna's "laguna"), when mlx-lm has it."""
-    inner = getattr(tokenizer, "_tokenizer", tokenizer)
-    name = (getattr(inner, "init_kwargs", None) or {}).get("tool_parser_type")
-    if not isinstance(name, str) or not re.fullmatch(r"\w+", name):
-        return None
-    try:
-        return name if importlib.util.find_spec(f"mlx_lm.tool_parsers.{name}") is not None else None
-    except ImportError:
-        return None
-
-
-def detect(tokenizer) -> ToolFormat:
-    """The format of this model: the parser its checkpoint names, else read from its chat template (and
-    mlx-lm's own inference), as mlx-lm chooses the parser that reads its calls."""
-    template = _template(tokenizer)
-    from .dsml import dsml_format  # (DeepSeek V3.2 / V4 / V4.1: the template's DSML, or mlx-lm's DSML renderer)
-
-    dsml = dsml_format(tokenizer, template)
-    if dsml is not None:
-        return dsml
-    if "tool▁calls▁begin" in template:
-        return DEEPSEEK
-    if "<|header_start|>" in template:  # Llama 4's headers: its pythonic calls (llama.py)
-        from .llama import LLAMA4
-
-        return LLAMA4
-    if PYTHON_TAG in template and "parameters" in template:
-        return LLAMA3
-    if "<|channel|>" in template and "<|message|>" in template:  # gpt-oss's Harmony (harmony.py)
-        from .harmony import HARMONY
-
-        return HARMONY
-    name = _declared_parser(tokenizer)
-    try:  # mlx-lm's inference from the template and vocabulary (a private helper: its absence is no error)
-        from mlx_lm.tokenizer_utils import _infer_tool_parser
-
-        name = name or _infer_tool_parser(getattr(tokenizer, "_tokenizer", tokenizer))
-    except Exception:
-        pass
-    if name == "function_gemma":  # (our reader: mlx-lm's reads scalars only)
-        return FUNCTION_GEMMA
-    if name == "glm47":  # (glm.py: mlx-lm's strips string values and cuts one at a `</tool_call>` inside it)
-        from .glm import GLM
-
-        return GLM
-    if name == "kimi_k2":  # (kimi_k2.py: mlx-lm's cuts arguments at a `<|tool_call_end|>` inside a string)
-        from .kimi_k2 import KIMI_K2
-
-        return KIMI_K2
-    if name == "kimi_k3":  # (kimi_k3.py: XTML's channels, read by our reader)
-        from .kimi_k3 import KIMI_K3
-
-        return KIMI_K3
-    if name == "mistral":  # (mistral.py: mlx-lm's names a call by its [CALL_ID], splits no [THINK] reasoning)
-        from .mistral import MISTRAL
-
-        return MISTRAL
-    if name == "gemma4":  # (gemma4.py: mlx-lm's reads a string's <|"|> or keys with spaces as calls' ends)
-        from .gemma4 import GEMMA4
-
-        return GEMMA4
-    if name == "qwen3_coder":  # (qwen3_xml.py: mlx-lm's cuts a value at a `</parameter>` inside it)
-        from .qwen3_xml import QWEN3_XML
-
-        return QWEN3_XML
-    if name and name != "json_tools":
-        return mlx_lm_format(name)
-    if "tools" in template and "<tool_call>" in template:
-        return JSON
-    return GENERIC

@@ -25,10 +25,11 @@ import llguidance
 
 from ..grammar.requests import _literal
 from ..grammar.spec import Grammar, GrammarError, _checked
-from .formats import LLAMA3, PYTHON_TAG
+from .formats import PYTHON_TAG
 from .dsml_grammar import dsml_builders
 from .gemma4_grammar import function_gemma_calls, gemma4_calls
 from .json_grammars import deepseek_calls, json_block_calls, kimi_k2_calls, llama3_call, mistral_calls
+from .llama import LLAMA3
 from .lark_items import text_until, text_without
 from .pythonic_grammar import llama4_answer, pythonic_calls
 from .xml_grammars import glm47_calls, minimax_m2_calls, qwen3_coder_calls

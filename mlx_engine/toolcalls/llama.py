@@ -165,5 +165,8 @@ def llama4_reader(fmt, think=None, reasoning=False, tools=None) -> EndCallReader
                          parse=parse_pythonic)
 
 
+# the header tokens are text a call's JSON string may hold (kept through the text stream where special)
+LLAMA3 = ToolFormat("llama3_json", "", "", True, parse_llama3, markers=("<|start_header_id|>", "<|end_header_id|>"),
+                    reader=llama3_reader)
 LLAMA4 = ToolFormat("llama4_pythonic", "", "", True, parse_pythonic, markers=(PYTHON_START, PYTHON_END),
                     reader=llama4_reader)
