@@ -9,7 +9,8 @@ import json
 import pytest
 
 import grammar_util as gu
-from mlx_engine.toolcalls import CallArgs, CallStart, Text, detect
+import reader_util
+from mlx_engine.toolcalls import detect
 from mlx_engine.toolcalls.grammars import forced_call, optional_calls
 from mlx_engine.toolcalls.harmony import HARMONY
 from mlx_engine.toolcalls.stream import reader_for
@@ -38,23 +39,9 @@ ANSWERS = [
 
 def read(text: str, cuts=(), truncated: bool = False):
     """`text` fed to the Harmony reader cut at `cuts` -> (reasoning, content, [(name, arguments)])."""
-    r = reader_for(HARMONY, None, False, [WEATHER, ADD])
-    events, at = [], 0
-    for c in sorted(cuts) + [len(text)]:
-        events += r.feed(text[at:c])
-        at = c
-    events += r.finish(truncated=truncated)
-    out, calls = {"reasoning": "", "content": ""}, []
-    for e in events:
-        if isinstance(e, Text):
-            out[e.kind] += e.text
-        elif isinstance(e, CallStart):
-            assert e.index == len(calls) and e.id.startswith("call_")
-            calls.append([e.name, ""])
-        elif isinstance(e, CallArgs):
-            calls[e.index][1] += e.text
-    assert r.made_calls == bool(calls)
-    return out["reasoning"], out["content"], [tuple(c) for c in calls]
+    reasoning, content, calls = reader_util.read(reader_for(HARMONY, None, False, [WEATHER, ADD]), text, cuts, truncated)
+    assert all(i.startswith("call_") for _, _, i in calls)
+    return reasoning, content, [(n, a) for n, a, _ in calls]
 
 
 @pytest.mark.parametrize("text,reasoning,content,calls", ANSWERS)

@@ -15,6 +15,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from transformers import PreTrainedTokenizerFast
 
 import grammar_util as gu
+import reader_util
 from mlx_engine.toolcalls import CallArgs, CallStart, Splitter, Text, detect, template_input
 from mlx_engine.toolcalls.formats import DEEPSEEK, FUNCTION_GEMMA, GENERIC, JSON, mlx_lm_format
 from mlx_engine.toolcalls.gemma4 import GEMMA4  # (our readers: detect() picks them for these families)
@@ -62,23 +63,10 @@ PUBLISHED = [
 
 def split(fmt, text, cuts, think=None, reasoning=False, tools=(WEATHER, ADD)):
     """Feed `text` cut at `cuts`; -> (reasoning, content, [(name, arguments)], the events)."""
-    s = Splitter(fmt, think, reasoning, list(tools))
-    events, at = [], 0
-    for c in sorted(cuts) + [len(text)]:
-        events += s.feed(text[at:c])
-        at = c
-    events += s.finish()
-    out = {"reasoning": "", "content": ""}
-    calls = []
-    for e in events:
-        if isinstance(e, Text):
-            out[e.kind] += e.text
-        elif isinstance(e, CallStart):
-            assert e.index == len(calls) and (e.id.startswith("call_") or fmt.name == "kimi_k2") and e.id
-            calls.append([e.name, ""])
-        elif isinstance(e, CallArgs):
-            calls[e.index][1] += e.text
-    return out["reasoning"], out["content"], [tuple(c) for c in calls], events
+    events = reader_util.fed(Splitter(fmt, think, reasoning, list(tools)), text, cuts)
+    reasoning_text, content, calls = reader_util.merged(events)
+    assert all(i.startswith("call_") or fmt.name == "kimi_k2" for _, _, i in calls)
+    return reasoning_text, content, [(n, a) for n, a, _ in calls], events
 
 
 @pytest.mark.parametrize("fmt,text,content,calls", PUBLISHED, ids=[p[0].name for p in PUBLISHED])

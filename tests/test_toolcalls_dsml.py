@@ -15,7 +15,8 @@ from mlx_lm.chat_templates import deepseek_v32
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 import grammar_util as gu
-from mlx_engine.toolcalls import CallArgs, CallStart, Text, detect
+import reader_util
+from mlx_engine.toolcalls import detect
 from mlx_engine.toolcalls.dsml import FORMATS
 from mlx_engine.toolcalls.grammars import forced_call
 from mlx_engine.toolcalls.stream import reader_for
@@ -27,21 +28,8 @@ V32, V4, V41 = FORMATS["dsml_v32"], FORMATS["dsml_v4"], FORMATS["dsml_v41"]
 
 def read(fmt, text, cuts=(), reasoning=False, truncated=False):
     """`text` fed in pieces cut at `cuts` -> (reasoning, content, [(name, arguments as a dict)])."""
-    r = reader_for(fmt, THINK, reasoning, [WEATHER, ADD])
-    events, at = [], 0
-    for c in sorted(cuts) + [len(text)]:
-        events += r.feed(text[at:c])
-        at = c
-    events += r.finish(truncated=truncated)
-    out, calls = {"reasoning": "", "content": ""}, []
-    for e in events:
-        if isinstance(e, Text):
-            out[e.kind] += e.text
-        elif isinstance(e, CallStart):
-            calls.append([e.name, ""])
-        elif isinstance(e, CallArgs):
-            calls[e.index][1] += e.text
-    return out["reasoning"], out["content"], [(n, json.loads(a)) for n, a in calls]
+    r, c, calls = reader_util.read(reader_for(fmt, THINK, reasoning, [WEATHER, ADD]), text, cuts, truncated)
+    return r, c, [(n, json.loads(a)) for n, a, _ in calls]
 
 
 def encoded(calls: list[tuple[str, dict]], content: str = "") -> str:

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 import grammar_util as gu
+import reader_util
 from mlx_engine.grammar import GrammarViolation
-from mlx_engine.toolcalls import CallArgs, CallStart, Text
 from mlx_engine.toolcalls import detect
 from mlx_engine.toolcalls.llama import LLAMA3
 from mlx_engine.toolcalls.glm import GLM, parse_glm
@@ -32,23 +32,8 @@ ADD = {"type": "function", "function": {"name": "add", "parameters": {
 
 def read(fmt, text, cuts=(), truncated=False, tools=(WRITE, ADD), think=None, reasoning=False):
     """`text` through the format's stream reader, cut at `cuts` -> (reasoning, content, [(name, arguments)])."""
-    r = reader_for(fmt, think, reasoning, list(tools))
-    events, at = [], 0
-    for c in sorted(cuts) + [len(text)]:
-        events += r.feed(text[at:c])
-        at = c
-    events += r.finish(truncated)
-    out, calls = {"reasoning": "", "content": ""}, []
-    for e in events:
-        if isinstance(e, Text):
-            out[e.kind] += e.text
-        elif isinstance(e, CallStart):
-            assert e.index == len(calls)
-            calls.append([e.name, ""])
-        elif isinstance(e, CallArgs):
-            calls[e.index][1] += e.text
-    assert r.made_calls == bool(calls)
-    return out["reasoning"], out["content"], [(n, json.loads(a)) for n, a in calls]
+    r, c, calls = reader_util.read(reader_for(fmt, think, reasoning, list(tools)), text, cuts, truncated)
+    return r, c, [(n, json.loads(a)) for n, a, _ in calls]
 
 
 def same_split_anywhere(fmt, text, **kw):

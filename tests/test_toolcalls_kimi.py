@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import grammar_util as gu
-from mlx_engine.toolcalls import CallArgs, CallStart, Text
+import reader_util
 from mlx_engine.toolcalls.grammars import forced_call
 from mlx_engine.toolcalls.kimi_k2 import KIMI_K2
 from mlx_engine.toolcalls.kimi_k3 import KIMI_K3
@@ -29,23 +29,8 @@ EDIT = {"type": "function", "function": {"name": "edit", "parameters": {
 
 def read(fmt, text, cuts=(), think=None, reasoning=False, truncated=False):
     """`text` fed cut at `cuts` -> (reasoning, content, [(name, arguments)], ids)."""
-    r = reader_for(fmt, think, reasoning, [EDIT])
-    events, at = [], 0
-    for c in sorted(cuts) + [len(text)]:
-        events += r.feed(text[at:c])
-        at = c
-    events += r.finish(truncated=truncated)
-    out, calls, ids = {"reasoning": "", "content": ""}, [], []
-    for e in events:
-        if isinstance(e, Text):
-            out[e.kind] += e.text
-        elif isinstance(e, CallStart):
-            assert e.index == len(calls)
-            calls.append([e.name, ""])
-            ids.append(e.id)
-        elif isinstance(e, CallArgs):
-            calls[e.index][1] += e.text
-    return out["reasoning"], out["content"], [(n, json.loads(a)) for n, a in calls], ids
+    r, c, calls = reader_util.read(reader_for(fmt, think, reasoning, [EDIT]), text, cuts, truncated)
+    return r, c, [(n, json.loads(a)) for n, a, _ in calls], [i for _, _, i in calls]
 
 
 def split_anywhere(fmt, text, **kw):

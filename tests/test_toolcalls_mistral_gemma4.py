@@ -9,31 +9,17 @@ import numpy as np
 import pytest
 
 import grammar_util as gu
+import reader_util
 from mlx_engine.toolcalls.gemma4 import GEMMA4
 from mlx_engine.toolcalls.grammars import forced_call
 from mlx_engine.toolcalls.mistral import MISTRAL
-from mlx_engine.toolcalls.stream import CallArgs, CallStart, Text, reader_for
+from mlx_engine.toolcalls.stream import reader_for
 
 
 def read(fmt, text: str, cuts=(), truncated=False, think=None):
     """(reasoning, content, [(name, arguments dict, id)]) of `text` fed cut at `cuts`."""
-    r = reader_for(fmt, think, False, [])
-    events, at = [], 0
-    for c in sorted(cuts) + [len(text)]:
-        events += r.feed(text[at:c])
-        at = c
-    events += r.finish(truncated)
-    out, calls = {"reasoning": "", "content": ""}, []
-    for e in events:
-        if isinstance(e, Text):
-            out[e.kind] += e.text
-        elif isinstance(e, CallStart):
-            assert e.index == len(calls)
-            calls.append([e.name, "", e.id])
-        elif isinstance(e, CallArgs):
-            calls[e.index][1] += e.text
-    assert r.made_calls == bool(calls)
-    return out["reasoning"], out["content"], [(n, json.loads(a), i) for n, a, i in calls]
+    r, c, calls = reader_util.read(reader_for(fmt, think, False, []), text, cuts, truncated)
+    return r, c, [(n, json.loads(a), i) for n, a, i in calls]
 
 
 def every_cut(fmt, text: str, **kw):

@@ -8,9 +8,10 @@ import json
 import random
 
 import grammar_util as gu
+import reader_util
 from mlx_engine.toolcalls.formats import JSON
 from mlx_engine.toolcalls.qwen3_xml import QWEN3_XML, parse_qwen3_xml, typed_value
-from mlx_engine.toolcalls.stream import CallArgs, CallStart, Text, reader_for
+from mlx_engine.toolcalls.stream import CallArgs, CallStart, reader_for
 
 WRITE = {"type": "function", "function": {"name": "write_file", "parameters": {"type": "object", "properties": {
     "path": {"type": "string"}, "content": {"type": "string"}}}}}
@@ -25,21 +26,8 @@ THINK = ("<think>", "</think>")
 
 def read(fmt, text, cuts=(), reasoning=False, truncated=False):
     """`text` through fmt's reader cut at `cuts` -> (reasoning, content, [(name, arguments as a dict)])."""
-    r = reader_for(fmt, THINK, reasoning, TOOLS)
-    events, at = [], 0
-    for c in sorted(cuts) + [len(text)]:
-        events += r.feed(text[at:c])
-        at = c
-    events += r.finish(truncated)
-    out, calls = {"reasoning": "", "content": ""}, []
-    for e in events:
-        if isinstance(e, Text):
-            out[e.kind] += e.text
-        elif isinstance(e, CallStart):
-            calls.append([e.name, ""])
-        elif isinstance(e, CallArgs):
-            calls[e.index][1] += e.text
-    return out["reasoning"], out["content"], [(n, json.loads(a)) for n, a in calls]
+    r, c, calls = reader_util.read(reader_for(fmt, THINK, reasoning, TOOLS), text, cuts, truncated)
+    return r, c, [(n, json.loads(a)) for n, a, _ in calls]
 
 
 def every_split(fmt, text, **kw):
