@@ -176,7 +176,7 @@ def marker_ids(tokenizer, answer) -> frozenset[int]:
     for m in marker_texts(answer):
         if m in vocab:
             out.add(vocab[m])
-        elif hasattr(inner, "encode"):  # a marker of several tokens (Gemma 4's `<|channel>thought`): its special ones
+        elif hasattr(inner, "encode"):  # a marker of several tokens (Gemma 4's `<|channel>thought`): its tokens
             out.update(inner.encode(m, add_special_tokens=False))
     return frozenset(out)
 
