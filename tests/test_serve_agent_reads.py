@@ -210,3 +210,22 @@ def test_no_generation_config_keeps_the_server_defaults(tmp_path):
         assert card["context_length"] == 4096  # a config naming no window: the server's 4096
     finally:
         s.close()
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "gpt_oss"])
+def test_cached_tokens_on_a_hybrid_and_a_sliding_window_model(tmp_path, family):
+    """The reused share where the prefix tree restores a recurrent checkpoint (qwen3_next) or sliding windows
+    (gpt_oss): 0 cold, then exactly the tokens the tree reused."""
+    s = RunningServer("--model", str(save_tiny(tmp_path / "model", family, seed=3)), "--max-tokens", "2",
+                      "--no-prefix-cache-dir")
+    try:
+        oa = s.client()
+        ask = [{"role": "user", "content": "A question of its own. " + LONG}]
+        cold = oa.chat.completions.create(model=s.model, max_tokens=2, temperature=0, messages=ask).usage
+        before = hit_tokens(s)
+        again = oa.chat.completions.create(model=s.model, max_tokens=2, temperature=0, messages=ask).usage
+        reused = hit_tokens(s) - before
+        assert cold.prompt_tokens_details.cached_tokens == 0 and again.prompt_tokens == cold.prompt_tokens
+        assert again.prompt_tokens_details.cached_tokens == reused and 0 < reused < again.prompt_tokens
+    finally:
+        s.close()
